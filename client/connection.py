@@ -1,0 +1,143 @@
+"""A worker's one connection to the daemon: request, then the reply with that id.
+
+One DEALER per process, opened on first use. Each call waits for the reply
+carrying its id against one monotonic deadline; replies to earlier calls
+that gave up are dropped. A socket monitor reports the connection dropping
+(the daemon died or restarted; ZeroMQ heartbeats catch a daemon that stopped
+answering), so a call waiting on a dead daemon fails within a heartbeat
+instead of hanging, and the next call says the daemon went away.
+
+Fork guard: a forked child must not share its parent's socket. The child
+starts with no connection and opens its own on first use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from peerd.paths import check_socket_path, default_socket, endpoint
+from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, decode_reply, encode_request
+
+from .errors import DaemonUnavailable, MonoUnsupported
+
+CONNECT_TIMEOUT_S = float(os.environ.get("PEERD_CONNECT_TIMEOUT", "5"))
+REQUEST_TIMEOUT_S = float(os.environ.get("PEERD_REQUEST_TIMEOUT", "10"))
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+#: how much longer than the daemon's own deadline a client waits for its verdict
+GRACE_S = 5.0
+
+
+class Connection:
+    def __init__(self, path: str, connect_timeout: float = CONNECT_TIMEOUT_S):
+        self.path = check_socket_path(path)
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._lost: str | None = None
+        if not os.path.exists(self.path):
+            raise DaemonUnavailable(
+                f"no peerd daemon socket at {self.path}: start one with `peerd serve`, "
+                "or point PEERD_SOCKET at the socket of the one that runs"
+            )
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+            (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
+        ):
+            self._sock.setsockopt(option, value)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(endpoint(self.path))
+        try:
+            self.hello = self.call("hello", {}, timeout=connect_timeout)
+        except DaemonUnavailable:
+            self.close()
+            raise
+        if self.hello.get("protocol") != VERSION:
+            self.close()
+            raise DaemonUnavailable(
+                f"the daemon at {self.path} speaks protocol {self.hello.get('protocol')}, "
+                f"this client {VERSION}: upgrade them together"
+            )
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child must not tear down its parent's sockets
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def _check_lost(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost = "the connection dropped: the daemon died, was restarted or stopped answering"
+        if self._lost:
+            raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
+
+    def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        """Send one request; its reply body, or the daemon's error as MonoUnsupported."""
+        with self._lock:
+            self._check_lost()
+            request_id = next(self._ids)
+            self._sock.send(encode_request(request_id, op, body))
+            deadline = time.monotonic() + timeout
+            poller = zmq.Poller()
+            poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._monitor, zmq.POLLIN)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonUnavailable(
+                        f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s"
+                    )
+                events = dict(poller.poll(int(left * 1000) + 1))
+                if self._monitor in events:
+                    self._check_lost()
+                if self._sock not in events:
+                    continue
+                try:
+                    reply = decode_reply(self._sock.recv())
+                except ProtocolError as err:
+                    raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value)
+                if reply.id != request_id:
+                    continue  # the late answer to a call that gave up
+                if reply.ok:
+                    return reply.body
+                raise MonoUnsupported(reply.error.message, reply.error.code.value)
+
+
+_connection: Connection | None = None
+_connection_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _connection, _connection_lock
+    _connection, _connection_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def connection() -> Connection:
+    """This process's connection, opened on first use or after the daemon went away."""
+    global _connection
+    with _connection_lock:
+        if _connection is not None and _connection._lost:
+            _connection.close()
+            _connection = None
+        if _connection is None:
+            _connection = Connection(default_socket())
+        return _connection
+

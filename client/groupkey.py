@@ -1,0 +1,75 @@
+"""Turning the seeds' ``group`` argument into a daemon group key, rank and npes.
+
+A string is the key itself (the caller passes rank and npes). A torch
+ProcessGroup gives rank and npes, and a key unique to that group on this
+node: its rank 0 writes a random token into the group's own store (a
+PrefixStore private to the group) and every rank reads it back, so two jobs,
+or two groups of one job, never share a key even on one node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import uuid
+from dataclasses import dataclass
+
+STORE_KEY = "peerd/group-key"
+
+
+@dataclass(frozen=True)
+class Membership:
+    key: str
+    rank: int
+    npes: int
+
+
+_pg_keys: dict[int, tuple[object, str]] = {}  # id(pg) -> (pg kept alive, key)
+_lock = threading.Lock()
+#: rank and npes of every string-keyed group this process joined, for tp_agree
+_joined: dict[str, Membership] = {}
+
+
+def remember(member: Membership) -> None:
+    _joined[member.key] = member
+
+
+def _process_group_key(pg, rank: int, timeout: float) -> str:
+    import torch.distributed.distributed_c10d as c10d
+
+    with _lock:
+        cached = _pg_keys.get(id(pg))
+        if cached is not None:
+            return cached[1]
+        store = c10d._get_process_group_store(pg)
+        if rank == 0:
+            store.set(STORE_KEY, uuid.uuid4().hex)
+        store.wait([STORE_KEY], datetime.timedelta(seconds=timeout))
+        token = store.get(STORE_KEY).decode()
+        key = f"pg-{pg.group_name}-{token}"
+        _pg_keys[id(pg)] = (pg, key)
+        return key
+
+
+def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
+    """The membership ``group`` names; ValueError where it cannot be known."""
+    if isinstance(group, str):
+        if rank is None or npes is None:
+            known = _joined.get(group)
+            if known is None:
+                raise ValueError(
+                    f"group {group!r} is a string key: pass rank= and npes= "
+                    "(or join a PeerBuffer of that group in this process first)"
+                )
+            return known
+        return Membership(group, rank, npes)
+    if hasattr(group, "rank") and hasattr(group, "size"):
+        import torch.distributed as dist
+
+        pg_rank, pg_size = dist.get_rank(group), dist.get_world_size(group)
+        if (rank, npes) not in ((None, None), (pg_rank, pg_size)):
+            raise ValueError(
+                f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size})"
+            )
+        return Membership(_process_group_key(group, pg_rank, timeout), pg_rank, pg_size)
+    raise TypeError(f"group must be a string key or a torch ProcessGroup, not {type(group).__name__}")

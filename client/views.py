@@ -1,0 +1,58 @@
+"""Torch views of raw addresses: the only place peerd_client touches torch.
+
+A view never owns its memory: PeerBuffer.close() unmaps it, after which the
+view must not be used (PeerBuffer drops its own reference first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+
+def require_torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            "peerd_client needs torch for PeerBuffer's views (bytes, addresses): "
+            "install it in this environment, e.g. `pip install torch`"
+        ) from None
+    return torch
+
+
+def default_device():
+    """The worker's current GPU where torch sees one, else the CPU (host backend)."""
+    torch = require_torch()
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device) -> str:
+    """Which memory backend serves a torch device."""
+    torch = require_torch()
+    if device.type == "cpu":
+        return "host"
+    if device.type == "cuda":
+        return "hip" if torch.version.hip else "cuda"
+    raise ValueError(f"peerd serves cpu and cuda devices, not {device}")
+
+
+class _DeviceBytes:
+    """``__cuda_array_interface__`` of nbytes bytes at a raw device address."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def byte_view(address: int, nbytes: int, device):
+    """A non-owning torch uint8 tensor over nbytes at address on device."""
+    torch = require_torch()
+    if device.type == "cpu":
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+    return torch.as_tensor(_DeviceBytes(address, nbytes), device=device)

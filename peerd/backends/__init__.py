@@ -1,0 +1,94 @@
+"""Memory backends: who allocates device memory and how a worker maps it.
+
+Each backend has two halves behind one small interface. The daemon half
+(``MemoryBackend``) allocates, exports a handle, frees, and describes its
+devices. The client half (``Mapper``) names the worker's device and opens or
+closes a handle in the worker's address space. Both halves of a backend live
+in one module so that the handle format is defined in one place.
+
+Backends import their GPU libraries only when chosen: the daemon never
+imports torch, and a host-only machine needs neither cuda-bindings nor
+hip-python.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from ..groups import Allocation
+from ..protocol import ErrorCode, ProtocolError
+
+BACKENDS = ("host", "cuda", "hip")
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend's library or device cannot be used on this machine."""
+
+
+class MemoryBackend(ABC):
+    """The daemon's half: owns the memory."""
+
+    name: str
+
+    @abstractmethod
+    def devices(self) -> list[dict[str, Any]]:
+        """Each device served: identity, name, memory, the daemon's footprint."""
+
+    @abstractmethod
+    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+        """A zero-filled buffer of at least nbytes; ProtocolError when impossible."""
+
+    @abstractmethod
+    def free(self, allocation: Allocation) -> None:
+        """Give the memory back; called once, after every rank released it."""
+
+    def close(self) -> None:
+        """Release what the backend itself holds (contexts), at shutdown."""
+
+    def unknown_device(self, device: str) -> ProtocolError:
+        served = ", ".join(d["uuid"] for d in self.devices()) or "none"
+        return ProtocolError(
+            ErrorCode.DEVICE_UNKNOWN,
+            f"this daemon ({self.name} backend) serves no device {device!r}; it serves: {served}",
+        )
+
+
+class Mapper(ABC):
+    """The worker's half: maps handles into the calling process."""
+
+    @abstractmethod
+    def device_identity(self, index: int | None) -> str:
+        """The identity (UUID) of the worker's device ``index`` (None: current)."""
+
+    @abstractmethod
+    def open(self, handle: bytes, size: int) -> int:
+        """Map a handle; the address of its first byte in this process."""
+
+    @abstractmethod
+    def close(self, address: int, size: int) -> None:
+        """Undo open()."""
+
+
+def _module(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def memory_backend(name: str) -> MemoryBackend:
+    """The daemon half of backend ``name``, or "auto": cuda, else hip, else host."""
+    if name != "auto":
+        return _module(name).Memory()
+    for candidate in ("cuda", "hip"):
+        try:
+            return _module(candidate).Memory()
+        except BackendUnavailable:
+            continue
+    return _module("host").Memory()
+
+
+def mapper(name: str) -> Mapper:
+    """The client half of backend ``name``."""
+    return _module(name).Mapper()

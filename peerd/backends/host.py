@@ -1,0 +1,139 @@
+"""Host backend: POSIX shared memory, so all of peerd runs where no GPU is.
+
+The handle is the segment's name. The daemon creates the segment (ftruncate
+zero-fills it) and unlinks it when freed; a worker that still has it mapped
+keeps its pages until it unmaps, exactly as a GPU IPC mapping outlives
+nothing but its own close. Segment names carry the daemon's pid, so a daemon
+started after a crash can sweep what the dead one left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+import re
+
+from ..groups import Allocation
+from ..protocol import ErrorCode, ProtocolError
+from . import Mapper as MapperBase
+from . import BackendUnavailable, MemoryBackend
+
+log = logging.getLogger("peerd.backends.host")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "peerd-"
+DEVICE = "host"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-\d+$")
+
+
+def _round_up(nbytes: int, granule: int) -> int:
+    return -(-nbytes // granule) * granule
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink segments left by peerd daemons that are no longer running."""
+    swept = []
+    for entry in os.listdir(SHM_DIR):
+        match = _NAME.match(entry)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, entry))
+                swept.append(entry)
+            except FileNotFoundError:
+                pass
+    if swept:
+        log.warning("removed %d shared-memory segment(s) left by a dead daemon", len(swept))
+    return swept
+
+
+class Memory(MemoryBackend):
+    name = "host"
+
+    def __init__(self) -> None:
+        if not os.path.isdir(SHM_DIR):
+            raise BackendUnavailable(f"{SHM_DIR} is missing: the host backend needs POSIX shared memory")
+        self._serial = itertools.count()
+        sweep_orphans()
+
+    def devices(self) -> list[dict]:
+        stat = os.statvfs(SHM_DIR)
+        return [
+            {
+                "index": 0,
+                "uuid": DEVICE,
+                "pci_bus_id": None,
+                "name": f"POSIX shared memory ({SHM_DIR})",
+                "total_bytes": stat.f_blocks * stat.f_frsize,
+                "footprint_bytes": 0,
+            }
+        ]
+
+    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+        if device != DEVICE:
+            raise self.unknown_device(device)
+        size = _round_up(nbytes, mmap.PAGESIZE)
+        name = f"{PREFIX}{os.getpid()}-{next(self._serial)}"
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)  # zero-filled by the kernel
+        except OSError as err:
+            os.unlink(path)
+            raise ProtocolError(
+                ErrorCode.ALLOCATION_FAILED, f"cannot size shared memory {name} to {size} bytes: {err}"
+            ) from None
+        finally:
+            os.close(fd)
+        return Allocation(self.name, name.encode(), size, DEVICE, token=path)
+
+    def free(self, allocation: Allocation) -> None:
+        try:
+            os.unlink(allocation.token)
+        except FileNotFoundError:
+            log.warning("shared memory %s was already gone", allocation.token)
+
+
+# ---------------------------------------------------------------- the worker's half
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapper(MapperBase):
+    def device_identity(self, index: int | None) -> str:
+        return DEVICE
+
+    def open(self, handle: bytes, size: int) -> int:
+        name = handle.decode()
+        if not _NAME.match(name):
+            raise ValueError(f"not a peerd shared-memory handle: {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if address in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {name} ({size} bytes) failed: {os.strerror(err)}")
+        return address
+
+    def close(self, address: int, size: int) -> None:
+        if _libc.munmap(address, size) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"munmap at {address:#x} failed: {os.strerror(err)}")

@@ -1,0 +1,566 @@
+"""The rules of rendezvous, agreement and release, as a pure state machine.
+
+No sockets, no memory, no clock: every call takes ``now`` and returns an
+outbox of ``Send``s, the replies the daemon must deliver. Memory is reached
+only through the ``allocate`` and ``free`` callables given at construction, so
+the unit tests drive every rule with fakes.
+
+Who owns what (the memory note): the daemon allocates each rank's buffer when
+that rank joins and is the only one that frees it. A rank *holds* the whole
+buffer set from its join until its release or its death. Memory is freed
+only when no rank holds the set any more, so a rank that exits can never pull
+memory from under a peer's kernel. A set that fails before its handles went
+out is freed at once: nobody can have mapped it.
+
+Failure is reported to every waiting rank, never left to a hang: a mismatch,
+an allocation failure, a timeout or a death fails the whole rendezvous or
+agreement round, with a message naming the ranks and pids involved.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+from .protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("peerd.groups")
+
+Caller = Hashable  # opaque to this module: the server's routing id and request id
+
+
+@dataclass(frozen=True)
+class Send:
+    """One reply to deliver: a body, or an error."""
+
+    caller: Caller
+    body: dict[str, Any] | None = None
+    error: ProtocolError | None = None
+
+
+Outbox = list[Send]
+
+
+def _fail(caller: Caller, code: ErrorCode, message: str) -> Send:
+    return Send(caller, error=ProtocolError(code, message))
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a backend returns for one rank's buffer; opaque ``token`` is its own."""
+
+    backend: str
+    handle: bytes
+    size: int
+    device: str
+    token: Any = None
+
+
+Allocate = Callable[[int, str, int], Allocation]  # (nbytes, device, flags)
+Free = Callable[[Allocation], None]
+
+
+class State(str, enum.Enum):
+    JOINING = "joining"  # waiting for every rank to join
+    OPENING = "opening"  # handles sent; waiting for every rank's commit vote
+    LIVE = "live"  # every rank mapped every peer
+    FAILED = "failed"  # failed; the reason is kept for ranks that ask later
+
+
+# ---------------------------------------------------------------- agreement rounds
+
+
+@dataclass
+class Round:
+    """One agreement round: every rank votes once, the result is the AND."""
+
+    npes: int
+    votes: dict[int, bool] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    waiters: dict[int, Caller] = field(default_factory=dict)
+    result: tuple[bool, str] | None = None
+
+    def vote(self, rank: int, ok: bool, reason: str, caller: Caller) -> Outbox:
+        self.votes[rank] = ok
+        if not ok:
+            self.reasons.append(f"rank {rank}: {reason}" if reason else f"rank {rank} voted no")
+        self.waiters[rank] = caller
+        if len(self.votes) == self.npes:
+            return self.finish(all(self.votes.values()), "; ".join(self.reasons))
+        return []
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.npes) if r not in self.votes]
+
+    def finish(self, ok: bool, reason: str) -> Outbox:
+        """Settle the round and answer every waiter."""
+        self.result = (ok, reason)
+        waiters, self.waiters = self.waiters, {}
+        return [Send(c, {"ok": ok, "reason": reason}) for c in waiters.values()]
+
+    def answer(self, caller: Caller) -> Send:
+        assert self.result is not None
+        ok, reason = self.result
+        return Send(caller, {"ok": ok, "reason": reason})
+
+
+@dataclass
+class Agreement:
+    """tp_agree's rounds for one group: the k-th call of each rank is round k."""
+
+    group: str
+    npes: int
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid that votes for it
+    calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
+    rounds: dict[int, Round] = field(default_factory=dict)
+    dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
+
+    def collect(self) -> None:
+        """Forget rounds every live rank has passed; a dead rank passes them all."""
+        for k in sorted(self.rounds):
+            r = self.rounds[k]
+            if r.result is None:
+                break
+            if all(self.calls.get(rank, 0) >= k or rank in self.dead for rank in range(self.npes)):
+                del self.rounds[k]
+
+
+# ---------------------------------------------------------------- buffer sets
+
+
+@dataclass
+class Slot:
+    rank: int
+    pid: int
+    device: str
+    allocation: Allocation | None
+    joined_at: float
+    held: bool = True
+    waiter: Caller | None = None  # the join reply still owed
+
+
+@dataclass
+class BufferSet:
+    id: int
+    group: str
+    name: str
+    npes: int
+    nbytes: int
+    flags: int
+    created: float
+    state: State = State.JOINING
+    slots: dict[int, Slot] = field(default_factory=dict)
+    commit: Round | None = None
+    failure: ProtocolError | None = None
+    told: set[int] = field(default_factory=set)  # ranks that have heard the failure
+
+    @property
+    def label(self) -> str:
+        return f"group={self.group} name={self.name}"
+
+    def holders(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.held]
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.npes) if r not in self.slots]
+
+    def who(self, ranks: list[int] | None = None) -> str:
+        slots = [self.slots[r] for r in (ranks if ranks is not None else sorted(self.slots))]
+        return ", ".join(f"rank {s.rank} (pid {s.pid})" for s in slots) or "none"
+
+
+class Registry:
+    """Every buffer set and agreement the daemon knows, and the rules between them."""
+
+    def __init__(
+        self,
+        allocate: Allocate,
+        free: Free,
+        rendezvous_timeout: float = 60.0,
+        agreement_timeout: float = 60.0,
+    ):
+        self._allocate = allocate
+        self._free = free
+        self.rendezvous_timeout = rendezvous_timeout
+        self.agreement_timeout = agreement_timeout
+        self.sets: dict[tuple[str, str], BufferSet] = {}  # the current set of each key
+        self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
+        self.agreements: dict[str, Agreement] = {}
+        self._ids = itertools.count(1)
+        self._timers: list[tuple[float, int, Callable[[float], Outbox]]] = []
+
+    # ------------------------------------------------------------ timers
+
+    def _at(self, deadline: float, check: Callable[[float], Outbox]) -> None:
+        heapq.heappush(self._timers, (deadline, next(self._ids), check))
+
+    def next_deadline(self) -> float | None:
+        """When expire() next has work (possibly a stale timer: harmless)."""
+        return self._timers[0][0] if self._timers else None
+
+    def expire(self, now: float) -> Outbox:
+        """Fail every wait whose deadline has passed."""
+        out: Outbox = []
+        while self._timers and self._timers[0][0] <= now:
+            _, _, check = heapq.heappop(self._timers)
+            out += check(now)
+        return out
+
+    # ------------------------------------------------------------ buffer sets
+
+    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+        key = (req["group"], req["name"])
+        rank, npes = req["rank"], req["npes"]
+        timeout = req["timeout"] or self.rendezvous_timeout
+        if rank >= npes:
+            return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        bset = self.sets.get(key)
+        if bset is not None and bset.state is State.FAILED and not bset.holders():
+            bset.told.add(rank)
+            out = [Send(caller, error=bset.failure)]
+            if len(bset.told) == bset.npes:
+                self._forget(bset)
+            return out
+        if bset is not None and bset.state is not State.JOINING:
+            held = bset.slots.get(rank)
+            if held is not None and held.held:
+                return [
+                    _fail(
+                        caller,
+                        ErrorCode.RANK_TAKEN,
+                        f"rank {rank} of {bset.label} is still held by pid {held.pid}; "
+                        "close that PeerBuffer first, or pass another name=",
+                    )
+                ]
+            self._retire(bset)
+            bset = None
+        if bset is None:
+            bset = BufferSet(next(self._ids), key[0], key[1], npes, req["nbytes"], req["flags"], now)
+            self.sets[key] = bset
+        else:
+            problem = self._mismatch(bset, req)
+            if problem:
+                return self._fail_set(bset, ErrorCode.MISMATCH, problem, [caller])
+            taken = bset.slots.get(rank)
+            if taken is not None:
+                return [
+                    _fail(
+                        caller,
+                        ErrorCode.RANK_TAKEN,
+                        f"rank {rank} of {bset.label} was already joined by pid {taken.pid}",
+                    )
+                ]
+        try:
+            allocation = self._allocate(bset.nbytes, req["device"], bset.flags)
+        except ProtocolError as err:
+            message = f"rank {rank} (pid {pid}): {err.message}"
+            return self._fail_set(bset, err.code, message, [caller])
+        bset.slots[rank] = Slot(rank, pid, req["device"], allocation, now, waiter=caller)
+        log.info(
+            "%s rank=%d pid=%d joined (%d/%d) device=%s",
+            bset.label, rank, pid, len(bset.slots), npes, req["device"],
+        )
+        if len(bset.slots) < npes:
+            self._at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t))
+            return []
+        return self._open(bset, now)
+
+    @staticmethod
+    def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
+        diffs = [
+            f"{what}={req[what]} but {bset.who()} joined with {what}={have}"
+            for what, have in (("npes", bset.npes), ("nbytes", bset.nbytes), ("flags", bset.flags))
+            if req[what] != have
+        ]
+        if diffs:
+            return f"rank {req['rank']} of {bset.label} asked for " + "; ".join(diffs)
+        return None
+
+    def _open(self, bset: BufferSet, now: float) -> Outbox:
+        """Every rank joined: hand every rank every rank's handle in one reply."""
+        bset.state = State.OPENING
+        bset.commit = Round(bset.npes)
+        slots = [bset.slots[r] for r in range(bset.npes)]
+        body = {
+            "backend": slots[0].allocation.backend,
+            "handles": [s.allocation.handle for s in slots],
+            "sizes": [s.allocation.size for s in slots],
+            "devices": [s.device for s in slots],
+        }
+        log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)
+        out = []
+        for s in slots:
+            out.append(Send(s.waiter, body))
+            s.waiter = None
+        return out
+
+    def _rendezvous_due(self, bset: BufferSet, now: float) -> Outbox:
+        if bset.state is not State.JOINING:
+            return []
+        waited = now - min(s.joined_at for s in bset.slots.values())
+        message = (
+            f"rendezvous of {bset.label} timed out after {waited:.1f}s: "
+            f"rank(s) {bset.missing()} of {bset.npes} never joined (joined: {bset.who()})"
+        )
+        return self._fail_set(bset, ErrorCode.TIMEOUT, message)
+
+    def _fail_set(
+        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = ()
+    ) -> Outbox:
+        """Fail a set for every rank waiting on it (and ``extra`` callers)."""
+        error = ProtocolError(code, message)
+        log.warning("%s failed: %s", bset.label, message)
+        out = [Send(c, error=error) for c in extra]
+        if bset.state is State.JOINING:
+            # nobody has the handles yet, so nobody can have mapped the memory
+            for s in bset.slots.values():
+                if s.waiter is not None:
+                    out.append(Send(s.waiter, error=error))
+                    bset.told.add(s.rank)
+                s.waiter, s.held = None, False
+            self._free_set(bset)
+        elif bset.commit is not None and bset.commit.result is None:
+            out += bset.commit.finish(False, message)
+        bset.state, bset.failure = State.FAILED, error
+        if not bset.holders():
+            # keep the verdict for ranks that join late, then forget it
+            self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))
+        return out
+
+    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+        bset, error = self._member_set(req, pid)
+        if error:
+            return [Send(caller, error=error)]
+        if bset.state is State.JOINING:
+            return [_fail(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")]
+        if bset.commit.result is not None:
+            return [bset.commit.answer(caller)]
+        if req["rank"] in bset.commit.votes:
+            return [_fail(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
+        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
+        if len(bset.commit.votes) == 1:
+            timeout = req["timeout"] or self.agreement_timeout
+            self._at(now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
+        if bset.commit.result is not None:
+            ok, reason = bset.commit.result
+            if ok:
+                bset.state = State.LIVE
+                log.info("%s live: every rank mapped every peer", bset.label)
+            else:
+                bset.state, bset.failure = State.FAILED, ProtocolError(ErrorCode.GROUP_FAILED, reason)
+                log.warning("%s failed its agreement: %s", bset.label, reason)
+        return out
+
+    def _commit_due(self, bset: BufferSet, now: float, timeout: float) -> Outbox:
+        if bset.commit is None or bset.commit.result is not None:
+            return []
+        missing = bset.commit.missing()
+        message = (
+            f"agreement of {bset.label} timed out after {timeout:g}s waiting for "
+            f"{bset.who(missing)} to open every peer's handle"
+        )
+        return self._fail_set(bset, ErrorCode.TIMEOUT, message)
+
+    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+        bset, error = self._member_set(req, pid)
+        if error:
+            return [Send(caller, error=error)]
+        slot = bset.slots[req["rank"]]
+        if bset.state is State.JOINING:
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before every rank joined"
+            return self._fail_set(bset, ErrorCode.GROUP_FAILED, message) + [Send(caller, {"freed": True})]
+        return [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
+
+    def _member_set(self, req: dict[str, Any], pid: int) -> tuple[BufferSet | None, ProtocolError | None]:
+        """The set in which ``pid`` holds ``rank``, or why there is none."""
+        key, rank = (req["group"], req["name"]), req["rank"]
+        candidates = [self.sets.get(key)] + [b for b in self.retired.values() if (b.group, b.name) == key]
+        for bset in candidates:
+            if bset is None:
+                continue
+            slot = bset.slots.get(rank)
+            if slot is not None and slot.held and slot.pid == pid:
+                return bset, None
+        current = self.sets.get(key)
+        slot = current.slots.get(rank) if current else None
+        if slot is not None and slot.held:
+            return None, ProtocolError(
+                ErrorCode.NOT_MEMBER,
+                f"rank {rank} of group={key[0]} name={key[1]} belongs to pid {slot.pid}, not pid {pid}",
+            )
+        if current is not None and current.failure is not None:
+            return None, current.failure
+        return None, ProtocolError(
+            ErrorCode.NOT_FOUND, f"pid {pid} holds no rank {rank} of group={key[0]} name={key[1]}"
+        )
+
+    def _drop_hold(self, bset: BufferSet, slot: Slot, why: str) -> bool:
+        """Drop one rank's hold; free the set once nobody holds it. True if freed."""
+        slot.held = False
+        log.info("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, len(bset.holders()))
+        if bset.holders():
+            return False
+        self._free_set(bset)
+        self._forget(bset)
+        return True
+
+    def _free_set(self, bset: BufferSet) -> None:
+        for s in bset.slots.values():
+            if s.allocation is not None:
+                allocation, s.allocation = s.allocation, None
+                self._free(allocation)
+        log.info("%s freed", bset.label)
+
+    def _retire(self, bset: BufferSet) -> None:
+        """A new set takes the key; the old one lives until its last holder lets go."""
+        del self.sets[(bset.group, bset.name)]
+        if bset.holders():
+            self.retired[bset.id] = bset
+
+    def _forget(self, bset: BufferSet) -> Outbox:
+        if self.sets.get((bset.group, bset.name)) is bset and not bset.holders():
+            del self.sets[(bset.group, bset.name)]
+        if not bset.holders():
+            self.retired.pop(bset.id, None)
+        return []
+
+    # ------------------------------------------------------------ tp_agree
+
+    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+        group, rank, npes = req["group"], req["rank"], req["npes"]
+        if rank >= npes:
+            return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        agreement = self.agreements.get(group)
+        if agreement is None:
+            agreement = self.agreements[group] = Agreement(group, npes)
+        if agreement.npes != npes:
+            return [
+                _fail(
+                    caller,
+                    ErrorCode.MISMATCH,
+                    f"rank {rank} of group={group} agrees with npes={npes} but the group has npes={agreement.npes}",
+                )
+            ]
+        owner = agreement.pids.setdefault(rank, pid)
+        if owner != pid:
+            return [
+                _fail(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} votes from pid {owner}, not {pid}")
+            ]
+        k = agreement.calls[rank] = agreement.calls.get(rank, 0) + 1
+        rnd = agreement.rounds.get(k)
+        if rnd is None:
+            rnd = agreement.rounds[k] = Round(npes)
+            timeout = req["timeout"] or self.agreement_timeout
+            self._at(now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
+        if rnd.result is not None:
+            out = [rnd.answer(caller)]
+        else:
+            out = rnd.vote(rank, req["ok"], "", caller)
+            dead = [r for r in rnd.missing() if r in agreement.dead]
+            if dead and rnd.result is None:
+                out += rnd.finish(False, self._deaths(agreement, dead))
+        if rnd.result is not None:
+            log.info("group=%s agreement round %d: %s", group, k, rnd.result[0])
+        self._collect(agreement)
+        return out
+
+    @staticmethod
+    def _deaths(agreement: Agreement, ranks: list[int]) -> str:
+        return "; ".join(f"rank {r} (pid {agreement.dead[r]}) died" for r in ranks)
+
+    def _round_due(self, agreement: Agreement, k: int, timeout: float) -> Outbox:
+        rnd = agreement.rounds.get(k)
+        if rnd is None or rnd.result is not None:
+            return []
+        reason = (
+            f"agreement round {k} of group={agreement.group} timed out after {timeout:g}s "
+            f"waiting for rank(s) {rnd.missing()}"
+        )
+        log.warning("%s", reason)
+        return rnd.finish(False, reason)
+
+    def _collect(self, agreement: Agreement) -> None:
+        agreement.collect()
+        if not agreement.rounds and self.agreements.get(agreement.group) is agreement:
+            del self.agreements[agreement.group]
+
+    # ------------------------------------------------------------ liveness and shutdown
+
+    def process_died(self, pid: int, now: float) -> Outbox:
+        """A client process is gone: fail what waits on it, drop what it held."""
+        out: Outbox = []
+        for bset in list(self.sets.values()) + list(self.retired.values()):
+            for slot in list(bset.slots.values()):
+                if slot.pid != pid or not slot.held:
+                    continue
+                message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
+                if bset.state is State.JOINING:
+                    slot.waiter = None
+                    out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before every rank joined")
+                    break
+                if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
+                    out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
+                self._drop_hold(bset, slot, "died")
+        for agreement in list(self.agreements.values()):
+            for rank, owner in agreement.pids.items():
+                if owner != pid:
+                    continue
+                agreement.dead[rank] = pid
+                for rnd in agreement.rounds.values():
+                    if rnd.result is None and rank not in rnd.votes:
+                        out += rnd.finish(False, self._deaths(agreement, [rank]))
+                log.warning("group=%s rank=%d pid=%d died", agreement.group, rank, pid)
+            self._collect(agreement)
+        return out
+
+    def shutdown(self) -> Outbox:
+        """Fail every wait, free every buffer: the daemon is going away."""
+        error = ProtocolError(ErrorCode.SHUTTING_DOWN, "the peerd daemon is shutting down")
+        out: Outbox = []
+        for bset in self.all_sets():
+            for s in bset.slots.values():
+                if s.waiter is not None:
+                    out.append(Send(s.waiter, error=error))
+                    s.waiter = None
+                s.held = False
+            if bset.commit is not None and bset.commit.result is None:
+                waiters = bset.commit.waiters.values()
+                out += [Send(c, error=error) for c in waiters]
+                bset.commit.waiters = {}
+            self._free_set(bset)
+        for agreement in self.agreements.values():
+            for rnd in agreement.rounds.values():
+                out += [Send(c, error=error) for c in rnd.waiters.values()]
+        self.sets.clear()
+        self.retired.clear()
+        self.agreements.clear()
+        self._timers.clear()
+        return out
+
+    # ------------------------------------------------------------ inspection
+
+    def all_sets(self) -> list[BufferSet]:
+        return list(self.sets.values()) + list(self.retired.values())
+
+    def listing(self, now: float) -> list[dict[str, Any]]:
+        """What `peerd ls` shows: one entry per buffer set."""
+        return [
+            {
+                "group": b.group,
+                "name": b.name,
+                "state": b.state.value,
+                "npes": b.npes,
+                "joined": sorted(b.slots),
+                "held": sorted(s.rank for s in b.holders()),
+                "pids": {str(r): s.pid for r, s in sorted(b.slots.items())},
+                "nbytes": b.nbytes,
+                "bytes_allocated": sum(s.allocation.size for s in b.slots.values() if s.allocation),
+                "age_s": round(now - b.created, 3),
+                "failure": b.failure.message if b.failure else None,
+            }
+            for b in self.all_sets()
+        ]

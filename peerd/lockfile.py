@@ -1,0 +1,47 @@
+"""One daemon per socket path.
+
+libzmq lets a second bind silently steal an ipc endpoint from a live daemon,
+so the daemon first takes an exclusive flock on a file beside the socket. The
+kernel drops the lock when its holder dies, which is what lets a daemon
+restarted after a crash take over the stale socket without any cleanup step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+
+class AlreadyRunning(RuntimeError):
+    """Another live daemon holds the lock."""
+
+
+class SocketLock:
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise AlreadyRunning(
+                f"another peerd (pid {holder}) already serves this socket (lock {self.path}); "
+                "stop it first, or give this one another --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None

@@ -1,0 +1,40 @@
+"""Where the daemon's socket lives: one resolver for daemon, client and CLI.
+
+Never an abstract-namespace path: it has no file permissions, so anyone on
+the host could connect.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def default_socket() -> str:
+    """PEERD_SOCKET, else /run/peerd for root, else the user's runtime dir, else /tmp."""
+    explicit = os.environ.get("PEERD_SOCKET")
+    if explicit:
+        return explicit
+    if os.geteuid() == 0:
+        return "/run/peerd/peerd.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "peerd", "peerd.sock")
+    return f"/tmp/peerd-{os.getuid()}/peerd.sock"
+
+
+def check_socket_path(path: str) -> str:
+    """The path, absolute; ValueError for what libzmq's ipc transport cannot use."""
+    if path.startswith("@"):
+        raise ValueError(f"{path!r} is an abstract-namespace socket; peerd needs a filesystem path")
+    path = os.path.abspath(path)
+    if len(path.encode()) > 107:  # sun_path is 108 bytes with its NUL
+        raise ValueError(f"socket path {path!r} is longer than the 107 bytes a unix socket allows")
+    return path
+
+
+def endpoint(path: str) -> str:
+    return f"ipc://{path}"
+
+
+def lock_path(socket_path: str) -> str:
+    return socket_path + ".lock"
