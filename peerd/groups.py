@@ -120,13 +120,25 @@ class Agreement:
     dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
 
     def collect(self) -> None:
-        """Forget rounds every live rank has passed; a dead rank passes them all."""
+        """Forget rounds every live rank has passed; a dead rank passes them all.
+
+        With no round left every live rank has made the same number of calls,
+        so the count starts again from zero: nothing grows while a group lives.
+        The members stay known, so a rank that dies between rounds still fails
+        the next round at once instead of leaving its peers to time out.
+        """
         for k in sorted(self.rounds):
             r = self.rounds[k]
             if r.result is None:
                 break
             if all(self.calls.get(rank, 0) >= k or rank in self.dead for rank in range(self.npes)):
                 del self.rounds[k]
+        if not self.rounds:
+            self.calls.clear()
+
+    def finished(self) -> bool:
+        """Every member it knew of is dead and nothing is pending: forget it."""
+        return not self.rounds and set(self.pids) <= set(self.dead)
 
 
 # ---------------------------------------------------------------- buffer sets
@@ -435,6 +447,14 @@ class Registry:
         if rank >= npes:
             return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
         agreement = self.agreements.get(group)
+        out: Outbox = []
+        if agreement is not None and agreement.dead.get(rank, pid) != pid:
+            # a new process takes a dead rank's place: the old rounds are over
+            reason = self._deaths(agreement, [rank]) + f"; pid {pid} took its place"
+            for rnd in agreement.rounds.values():
+                if rnd.result is None:
+                    out += rnd.finish(False, reason)
+            agreement = None
         if agreement is None:
             agreement = self.agreements[group] = Agreement(group, npes)
         if agreement.npes != npes:
@@ -457,9 +477,9 @@ class Registry:
             timeout = req["timeout"] or self.agreement_timeout
             self._at(now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
         if rnd.result is not None:
-            out = [rnd.answer(caller)]
+            out.append(rnd.answer(caller))
         else:
-            out = rnd.vote(rank, req["ok"], "", caller)
+            out += rnd.vote(rank, req["ok"], "", caller)
             dead = [r for r in rnd.missing() if r in agreement.dead]
             if dead and rnd.result is None:
                 out += rnd.finish(False, self._deaths(agreement, dead))
@@ -485,7 +505,7 @@ class Registry:
 
     def _collect(self, agreement: Agreement) -> None:
         agreement.collect()
-        if not agreement.rounds and self.agreements.get(agreement.group) is agreement:
+        if agreement.finished() and self.agreements.get(agreement.group) is agreement:
             del self.agreements[agreement.group]
 
     # ------------------------------------------------------------ liveness and shutdown

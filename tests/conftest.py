@@ -1,0 +1,123 @@
+"""Fixtures that run the real thing: a daemon process on a private socket,
+worker ranks as separate processes, the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+SHM = Path("/dev/shm")
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def answers(socket: str) -> bool:
+    from peerd_client.connection import Connection
+    from peerd_client.errors import DaemonUnavailable
+
+    try:
+        Connection(socket, connect_timeout=0.5).close()
+        return True
+    except DaemonUnavailable:
+        return False
+
+
+@dataclass
+class Daemon:
+    socket: str
+    log: Path
+    args: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+    extra_env: dict = field(default_factory=dict)
+
+    def env(self) -> dict:
+        return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **self.extra_env}
+
+    def start(self) -> "Daemon":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", self.socket, *self.args],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+        )
+        wait_until(lambda: answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
+        assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"
+        return self
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=20)
+
+    def segments(self) -> list[str]:
+        """Shared-memory segments this daemon made that still exist."""
+        return sorted(p.name for p in SHM.glob(f"peerd-{self.proc.pid}-*"))
+
+    def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "peerd", *args], env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+
+@pytest.fixture
+def socket_dir():
+    # short and private: unix socket paths must stay under 108 bytes
+    path = tempfile.mkdtemp(prefix="pd-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(socket_dir):
+    """A running host-backend daemon; on teardown it must stop cleanly and leave nothing."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log").start()
+    yield d
+    pid = d.proc.pid
+    code = d.stop()
+    assert code == 0, f"daemon exited {code}:\n{d.logs()}"
+    assert not list(SHM.glob(f"peerd-{pid}-*")), "shared memory left after shutdown"
+    assert not os.path.exists(d.socket), "socket left after shutdown"
+
+
+def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "rank.py"), scenario, "--rank", str(rank), "--npes", str(npes), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=daemon.env(),
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 90) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, f"rank printed no result (exit {proc.returncode}):\n{out}\n{err}"
+    return json.loads(lines[-1])
+
+
+def run_ranks(daemon: Daemon, scenario: str, npes: int, *args: str, ranks=None, timeout: float = 90) -> list[dict]:
+    """Start the ranks (all of them by default) at once; their results by rank."""
+    procs = [start_rank(daemon, scenario, r, npes, *args) for r in (ranks if ranks is not None else range(npes))]
+    return [finish(p, timeout) for p in procs]

@@ -1,0 +1,103 @@
+"""PeerBuffer and tp_agree end to end: a real daemon, real rank processes, real shared memory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import finish, run_ranks, start_rank, wait_until
+
+
+@pytest.mark.parametrize("npes", [2, 4, 8])
+def test_every_rank_reads_what_every_peer_wrote(daemon, npes):
+    nbytes = 3 * 4096 + 5  # not a page multiple: the last byte must still be reachable
+    results = run_ranks(daemon, "exchange", npes, "--nbytes", str(nbytes), "--group", f"x{npes}")
+    for rank, r in enumerate(results):
+        assert r["ok"], r
+        assert r["zero"], "a fresh buffer must be zero-filled"
+        assert r["seen"] == [[peer + 1, peer + 1] for peer in range(npes)]
+        assert r["local_is_mine"] and r["rank"] == rank and r["npes"] == npes and r["nbytes"] == nbytes
+        assert r["addresses_dtype"] == "torch.int64" and len(set(r["addresses"])) == npes
+        assert r["closed"], "close() twice must leave the buffer closed, not raise"
+    assert daemon.segments() == [], "segments left after every rank released"
+    assert daemon.cli("ls", "--json").stdout.strip() == "[]"
+
+
+def test_agreement_is_the_and_of_every_vote_round_by_round(daemon):
+    votes = {0: "1,1,0,1", 1: "1,0,1,1", 2: "1,1,1,1"}
+    procs = [start_rank(daemon, "agree", r, 3, "--votes", votes[r], "--group", "votes") for r in range(3)]
+    results = [finish(p) for p in procs]
+    for r in results:
+        assert r["ok"], r
+        assert r["results"] == [True, False, False, True]
+
+
+def test_agreement_waits_for_a_late_rank(daemon):
+    early = [start_rank(daemon, "agree", r, 2, "--votes", "1", "--group", "late") for r in (0,)]
+    time.sleep(1.0)
+    late = start_rank(daemon, "agree", 1, 2, "--votes", "1", "--group", "late")
+    assert [finish(p)["results"] for p in early + [late]] == [[True], [True]]
+
+
+def test_agreement_timeout_is_false_for_the_ranks_that_came(daemon):
+    results = run_ranks(daemon, "agree", 3, "--votes", "1", "--group", "short", "--timeout", "1", ranks=[0, 1])
+    assert [r["results"] for r in results] == [[False], [False]]
+    assert "timed out after 1s waiting for rank(s) [2]" in daemon.logs()
+
+
+def test_mismatched_nbytes_fails_every_rank(daemon):
+    r0 = start_rank(daemon, "join", 0, 2, "--nbytes", "4096", "--group", "mm")
+    wait_until(lambda: "rank=0" in daemon.logs(), 20, "rank 0 to join")
+    r1 = start_rank(daemon, "join", 1, 2, "--nbytes", "8192", "--group", "mm")
+    for r in (finish(r0), finish(r1)):
+        assert not r["ok"] and r["type"] == "MonoUnsupported" and r["code"] == "MISMATCH", r
+        assert "nbytes=8192 but rank 0 (pid" in r["message"] and "nbytes=4096" in r["message"]
+    assert daemon.segments() == []
+
+
+def test_mismatched_npes_fails_every_rank(daemon):
+    r0 = start_rank(daemon, "join", 0, 2, "--group", "mn")
+    wait_until(lambda: "rank=0" in daemon.logs(), 20, "rank 0 to join")
+    r1 = start_rank(daemon, "join", 1, 3, "--group", "mn")
+    for r in (finish(r0), finish(r1)):
+        assert not r["ok"] and r["code"] == "MISMATCH", r
+        assert "npes=3 but rank 0 (pid" in r["message"] and "npes=2" in r["message"]
+
+
+def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(daemon):
+    results = run_ranks(daemon, "join", 4, "--group", "lonely", "--timeout", "1", ranks=[0, 2])
+    for r in results:
+        assert not r["ok"] and r["code"] == "TIMEOUT", r
+        assert "rank(s) [1, 3] of 4 never joined" in r["message"]
+        assert "rank 0 (pid" in r["message"] and "rank 2 (pid" in r["message"]
+    assert daemon.segments() == []
+
+
+def test_rank_out_of_range_and_rank_taken(daemon):
+    out_of_range = run_ranks(daemon, "join", 2, "--group", "bad", ranks=[5])[0]
+    assert out_of_range["code"] == "RANK_INVALID" and "rank 5 is out of range for npes=2" in out_of_range["message"]
+    holder = start_rank(daemon, "join", 0, 2, "--group", "taken", "--timeout", "3")
+    wait_until(lambda: "group=taken name=default rank=0" in daemon.logs(), 20, "rank 0 to join")
+    thief = run_ranks(daemon, "join", 2, "--group", "taken", ranks=[0])[0]
+    assert thief["code"] == "RANK_TAKEN" and "already joined by pid" in thief["message"]
+    assert finish(holder)["code"] == "TIMEOUT"
+
+
+def test_several_named_buffer_sets_per_group_and_the_process_group_form(daemon, socket_dir):
+    store = f"{socket_dir}/store"
+    results = run_ranks(daemon, "process_group", 2, "--store", store)
+    for r in results:
+        assert r["ok"], r
+        assert r["agreed"] is True
+        assert r["seen"] == [1, 2, 100, 101]
+    assert results[0]["key"] == results[1]["key"] and results[0]["key"].startswith("pg-")
+    assert [r["rank"] for r in results] == [0, 1] and {r["npes"] for r in results} == {2}
+    assert daemon.segments() == []
+
+
+def test_a_released_set_can_be_joined_again(daemon):
+    for attempt in range(2):
+        results = run_ranks(daemon, "exchange", 2, "--group", "again")
+        assert all(r["ok"] for r in results), results
+    assert daemon.segments() == []

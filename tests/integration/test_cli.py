@@ -1,0 +1,79 @@
+"""The CLI as a user runs it: a subprocess against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import Daemon, finish, start_rank, wait_until
+
+
+def test_status_answers_with_a_summary_and_json(daemon):
+    human = daemon.cli("status")
+    assert human.returncode == 0, human.stderr
+    assert "healthy" in human.stdout and "backend host" in human.stdout
+    info = json.loads(daemon.cli("status", "--json").stdout)
+    assert info["backend"] == "host" and info["pid"] == daemon.proc.pid and info["socket"] == daemon.socket
+    assert info["devices"][0]["uuid"] == "host"
+
+
+def test_status_without_a_daemon_fails_with_one_line(socket_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "peerd", "status", "--socket", f"{socket_dir}/none.sock"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 3
+    assert result.stderr.count("\n") == 1 and "no peerd daemon socket" in result.stderr
+
+
+def test_ls_shows_each_group_while_it_is_held(daemon):
+    holders = [start_rank(daemon, "join", r, 2, "--group", "shown", "--name", "kv", "--hold", "30") for r in (0, 1)]
+    wait_until(lambda: "group=shown name=kv live" in daemon.logs(), 30, "the set to go live")
+    listing = json.loads(daemon.cli("ls", "--json").stdout)
+    assert len(listing) == 1
+    entry = listing[0]
+    assert (entry["group"], entry["name"], entry["state"], entry["npes"]) == ("shown", "kv", "live", 2)
+    assert entry["joined"] == [0, 1] and sorted(entry["pids"].values()) == sorted(p.pid for p in holders)
+    human = daemon.cli("ls").stdout
+    assert "shown" in human and "kv" in human and "2/2" in human and "live" in human
+    for p in holders:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+
+
+def test_a_second_daemon_on_the_same_socket_refuses_to_start(daemon):
+    second = subprocess.run(
+        [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert second.returncode != 0
+    assert f"another peerd (pid {daemon.proc.pid}) already serves this socket" in second.stderr
+    assert daemon.cli("status").returncode == 0, "the first daemon must keep its socket"
+
+
+def test_sigterm_frees_everything_and_removes_the_socket(socket_dir):
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "log").start()
+    waiting = start_rank(d, "join", 0, 2, "--group", "cut")
+    wait_until(lambda: "group=cut name=default rank=0" in d.logs(), 30, "rank 0 to join")
+    assert len(d.segments()) == 1
+    pid = d.proc.pid
+    assert d.stop() == 0
+    result = finish(waiting)
+    assert result["code"] == "SHUTTING_DOWN", result
+    assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".lock")
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"peerd-{pid}-")]
+
+
+def test_python_dash_m_peerd_is_the_same_cli():
+    result = subprocess.run([sys.executable, "-m", "peerd", "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    for command in ("serve", "status", "ls"):
+        assert command in result.stdout

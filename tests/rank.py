@@ -1,0 +1,115 @@
+"""One worker rank, run as its own process by the integration tests.
+
+    python tests/rank.py SCENARIO --rank R --npes N [options]
+
+Prints one JSON line: what the rank saw, or the error it got (type, code,
+message). Every scenario uses only the public peerd_client API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+
+
+def peek(address: int, offset: int) -> int:
+    return ctypes.c_uint8.from_address(address + offset).value
+
+
+def exchange(args) -> dict:
+    """Each rank fills its buffer with rank+1; every rank reads every peer."""
+    from peerd_client import PeerBuffer, tp_agree
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name)
+    zero = bool((buf.bytes == 0).all())
+    buf.bytes.fill_(args.rank + 1)
+    assert tp_agree(True, args.group), "barrier failed"  # every rank has written
+    seen = [[peek(p, 0), peek(p, args.nbytes - 1)] for p in buf.pointers]
+    result = {
+        "zero": zero,
+        "seen": seen,
+        "local_is_mine": buf.local == buf.pointers[args.rank],
+        "addresses": buf.addresses.tolist(),
+        "addresses_dtype": str(buf.addresses.dtype),
+        "nbytes": buf.nbytes,
+        "npes": buf.npes,
+        "rank": buf.rank,
+    }
+    assert tp_agree(True, args.group), "barrier failed"  # every rank has read
+    buf.close()
+    buf.close()
+    result["closed"] = buf.local == 0 and buf.bytes is None and buf.pointers == []
+    return result
+
+
+def agree(args) -> dict:
+    from peerd_client import tp_agree
+
+    votes = [v == "1" for v in args.votes.split(",")]
+    return {
+        "results": [
+            tp_agree(v, args.group, args.rank, args.npes, timeout=args.timeout) for v in votes
+        ]
+    }
+
+
+def join(args) -> dict:
+    """Join and hold the buffer set for --hold seconds."""
+    from peerd_client import PeerBuffer
+
+    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name, timeout=args.timeout) as buf:
+        time.sleep(args.hold)
+        return {"pointers": len(buf.pointers)}
+
+
+def process_group(args) -> dict:
+    """The seed-001 form: PeerBuffer(nbytes, process_group), over a gloo group."""
+    import torch.distributed as dist
+
+    from peerd_client import PeerBuffer, tp_agree
+
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.npes)
+    group = dist.new_group(list(range(args.npes)), backend="gloo")
+    a = PeerBuffer(args.nbytes, group)
+    b = PeerBuffer(args.nbytes, group, name="second")
+    a.bytes.fill_(args.rank + 1)
+    b.bytes.fill_(100 + args.rank)
+    ok = tp_agree(True, group)
+    seen = [peek(p, 0) for p in a.pointers] + [peek(p, 0) for p in b.pointers]
+    assert tp_agree(True, group)
+    key = a.group_key
+    a.close()
+    b.close()
+    dist.destroy_process_group()
+    return {"agreed": ok, "seen": seen, "rank": a.rank, "npes": a.npes, "key": key}
+
+
+SCENARIOS = {"exchange": exchange, "agree": agree, "join": join, "process_group": process_group}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=SCENARIOS)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--npes", type=int, required=True)
+    parser.add_argument("--nbytes", type=int, default=1 << 16)
+    parser.add_argument("--group", default="test-group")
+    parser.add_argument("--name", default="default")
+    parser.add_argument("--votes", default="1")
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--store", default="")
+    args = parser.parse_args()
+    try:
+        out = {"ok": True, **SCENARIOS[args.scenario](args)}
+    except Exception as err:
+        out = {"ok": False, "type": type(err).__name__, "code": getattr(err, "code", None), "message": str(err)}
+    print(json.dumps(out), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

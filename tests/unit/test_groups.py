@@ -1,0 +1,287 @@
+"""The group state machine, driven with fake memory and a hand-moved clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd.groups import Allocation, Registry, State
+from peerd.protocol import ErrorCode, ProtocolError
+
+
+class FakeMemory:
+    def __init__(self):
+        self.live: dict[bytes, Allocation] = {}
+        self.serial = 0
+        self.fail_next = None
+
+    def allocate(self, nbytes, device, flags):
+        if self.fail_next:
+            err, self.fail_next = self.fail_next, None
+            raise err
+        self.serial += 1
+        a = Allocation("fake", b"h%d" % self.serial, nbytes, device)
+        self.live[a.handle] = a
+        return a
+
+    def free(self, allocation):
+        assert allocation.handle in self.live, "double free"
+        del self.live[allocation.handle]
+
+
+@pytest.fixture
+def mem():
+    return FakeMemory()
+
+
+@pytest.fixture
+def reg(mem):
+    return Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)
+
+
+def join(reg, rank, npes=2, now=0.0, pid=None, **over):
+    body = {"group": "g", "name": "n", "rank": rank, "npes": npes, "nbytes": 64, "device": "d",
+            "flags": 0, "timeout": None, **over}
+    return reg.join(("c", rank), pid if pid is not None else 100 + rank, body, now)
+
+
+def commit(reg, rank, ok=True, now=0.0, pid=None, reason=""):
+    body = {"group": "g", "name": "n", "rank": rank, "ok": ok, "reason": reason, "timeout": None}
+    return reg.commit(("v", rank), pid if pid is not None else 100 + rank, body, now)
+
+
+def release(reg, rank, pid=None):
+    return reg.release(("r", rank), pid if pid is not None else 100 + rank, {"group": "g", "name": "n", "rank": rank}, 0.0)
+
+
+def agree(reg, rank, ok=True, npes=2, now=0.0, timeout=None, group="a"):
+    body = {"group": group, "rank": rank, "npes": npes, "ok": ok, "timeout": timeout}
+    return reg.agree(("a", rank), 100 + rank, body, now)
+
+
+def errors(out):
+    return {send.caller: send.error for send in out if send.error is not None}
+
+
+def bodies(out):
+    return {send.caller: send.body for send in out if send.body is not None}
+
+
+def live_set(reg, npes=2):
+    for r in range(npes):
+        join(reg, r, npes)
+    for r in range(npes):
+        commit(reg, r)
+    return reg.sets[("g", "n")]
+
+
+def test_rendezvous_answers_every_rank_at_once_with_every_handle(reg, mem):
+    assert join(reg, 1, npes=3) == []
+    assert join(reg, 0, npes=3) == []
+    out = join(reg, 2, npes=3)
+    replies = bodies(out)
+    assert set(replies) == {("c", 0), ("c", 1), ("c", 2)}
+    for body in replies.values():
+        assert body["handles"] == [mem.live[h].handle for h in body["handles"]]
+        assert len(body["handles"]) == 3 and body["sizes"] == [64] * 3 and body["backend"] == "fake"
+    assert reg.sets[("g", "n")].state is State.OPENING
+
+
+def test_commit_all_true_goes_live_and_any_false_fails_every_rank(reg, mem):
+    bset = live_set(reg)
+    assert bset.state is State.LIVE
+    reg2 = Registry(mem.allocate, mem.free)
+    join(reg2, 0), join(reg2, 1)
+    assert commit(reg2, 0, ok=True) == []
+    out = commit(reg2, 1, ok=False, reason="cudaIpcOpenMemHandle: invalid handle")
+    verdicts = bodies(out)
+    assert verdicts[("v", 0)]["ok"] is False and verdicts[("v", 1)]["ok"] is False
+    assert "rank 1: cudaIpcOpenMemHandle: invalid handle" in verdicts[("v", 0)]["reason"]
+    assert reg2.sets[("g", "n")].state is State.FAILED
+
+
+@pytest.mark.parametrize("field, value", [("npes", 3), ("nbytes", 128), ("flags", 1)])
+def test_mismatch_is_reported_to_every_rank_and_frees_memory(reg, mem, field, value):
+    join(reg, 0)
+    out = join(reg, 1, **{field: value})
+    failed = errors(out)
+    assert set(failed) == {("c", 0), ("c", 1)}
+    for err in failed.values():
+        assert err.code is ErrorCode.MISMATCH
+        assert f"{field}={value} but rank 0 (pid 100) joined with {field}=" in err.message
+    assert mem.live == {}
+    late = errors(join(reg, 1))
+    assert late[("c", 1)].code is ErrorCode.MISMATCH, "a late rank hears the same verdict, not a hang"
+
+
+def test_rank_out_of_range_and_taken(reg):
+    assert errors(join(reg, 2))[("c", 2)].code is ErrorCode.RANK_INVALID
+    join(reg, 0)
+    taken = errors(join(reg, 0, pid=999))[("c", 0)]
+    assert taken.code is ErrorCode.RANK_TAKEN and "already joined by pid 100" in taken.message
+
+
+def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(reg, mem):
+    join(reg, 0, npes=4, now=0.0)
+    join(reg, 2, npes=4, now=1.0)
+    assert reg.expire(9.9) == []
+    assert reg.next_deadline() == 10.0
+    failed = errors(reg.expire(10.0))
+    assert set(failed) == {("c", 0), ("c", 2)}
+    msg = failed[("c", 0)].message
+    assert failed[("c", 0)].code is ErrorCode.TIMEOUT
+    assert "rank(s) [1, 3] of 4 never joined" in msg and "rank 0 (pid 100), rank 2 (pid 102)" in msg
+    assert mem.live == {}
+
+
+def test_per_call_timeout_overrides_the_default(reg):
+    join(reg, 0, timeout=0.5)
+    assert errors(reg.expire(0.5))[("c", 0)].code is ErrorCode.TIMEOUT
+
+
+def test_memory_is_freed_only_when_every_rank_released(reg, mem):
+    live_set(reg, npes=3)
+    assert len(mem.live) == 3
+    assert bodies(release(reg, 0))[("r", 0)] == {"freed": False}
+    assert bodies(release(reg, 2))[("r", 2)] == {"freed": False}
+    assert len(mem.live) == 3, "a released rank must not free memory its peers still map"
+    assert bodies(release(reg, 1))[("r", 1)] == {"freed": True}
+    assert mem.live == {} and reg.sets == {}
+
+
+def test_release_twice_and_release_by_another_process(reg):
+    live_set(reg)
+    stranger = errors(release(reg, 0, pid=555))[("r", 0)]
+    assert stranger.code is ErrorCode.NOT_MEMBER and "belongs to pid 100" in stranger.message
+    release(reg, 0)
+    again = errors(release(reg, 0))[("r", 0)]
+    assert again.code is ErrorCode.NOT_FOUND
+
+
+def test_withdrawing_during_rendezvous_fails_the_others(reg, mem):
+    join(reg, 0, npes=3), join(reg, 1, npes=3)
+    out = release(reg, 1)
+    assert bodies(out)[("r", 1)] == {"freed": True}
+    failed = errors(out)
+    assert failed[("c", 0)].code is ErrorCode.GROUP_FAILED and "withdrew" in failed[("c", 0)].message
+    assert mem.live == {}
+
+
+def test_allocation_failure_fails_every_rank(reg, mem):
+    join(reg, 0)
+    mem.fail_next = ProtocolError(ErrorCode.ALLOCATION_FAILED, "out of memory on GPU-1")
+    failed = errors(join(reg, 1))
+    assert {e.code for e in failed.values()} == {ErrorCode.ALLOCATION_FAILED}
+    assert "rank 1 (pid 101): out of memory on GPU-1" in failed[("c", 0)].message
+    assert mem.live == {}
+
+
+def test_a_new_set_can_take_a_key_while_an_old_one_is_still_held(reg, mem):
+    live_set(reg)
+    release(reg, 0)  # rank 0 starts over while rank 1 still holds the old set
+    join(reg, 0, pid=200)
+    assert len(reg.retired) == 1 and len(mem.live) == 3
+    release(reg, 1)  # rank 1 lets the old set go: its memory goes with it
+    assert reg.retired == {} and len(mem.live) == 1
+
+
+def test_joining_a_rank_still_held_is_refused(reg):
+    live_set(reg)
+    err = errors(join(reg, 0))[("c", 0)]
+    assert err.code is ErrorCode.RANK_TAKEN and "still held by pid 100" in err.message
+
+
+def test_death_during_rendezvous_fails_the_others_naming_rank_and_pid(reg, mem):
+    join(reg, 0, npes=3), join(reg, 1, npes=3)
+    failed = errors(reg.process_died(101, 1.0))
+    assert failed[("c", 0)].code is ErrorCode.RANK_DIED
+    assert "rank 1 (pid 101)" in failed[("c", 0)].message
+    assert mem.live == {}
+
+
+def test_death_during_the_commit_vote_makes_it_false(reg, mem):
+    join(reg, 0), join(reg, 1)
+    commit(reg, 0)
+    verdict = bodies(reg.process_died(101, 1.0))[("v", 0)]
+    assert verdict["ok"] is False and "rank 1 (pid 101)" in verdict["reason"] and "died" in verdict["reason"]
+    assert len(mem.live) == 2, "rank 0 may have mapped the memory: it stays until rank 0 releases"
+    release(reg, 0)
+    assert mem.live == {}
+
+
+def test_death_after_live_counts_as_release(reg, mem):
+    live_set(reg)
+    assert reg.process_died(100, 5.0) == []
+    assert len(mem.live) == 2
+    reg.process_died(101, 6.0)
+    assert mem.live == {} and reg.sets == {}
+
+
+def test_commit_timeout_names_the_ranks_that_never_voted(reg):
+    join(reg, 0), join(reg, 1)
+    commit(reg, 0, now=1.0)
+    verdict = bodies(reg.expire(11.0))[("v", 0)]
+    assert verdict["ok"] is False and "rank 1 (pid 101)" in verdict["reason"] and "timed out" in verdict["reason"]
+
+
+def test_agreement_rounds_pair_the_kth_call_of_each_rank(reg):
+    assert agree(reg, 0, True) == []
+    assert agree(reg, 0, False) == []  # rank 0 is already in round 2
+    first = bodies(agree(reg, 1, True))
+    assert first == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}
+    second = bodies(agree(reg, 1, True))
+    assert second[("a", 1)]["ok"] is False
+    assert reg.agreements["a"].rounds == {} and reg.agreements["a"].calls == {}, "passed rounds are forgotten"
+
+
+def test_agreement_timeout_is_false_with_a_reason_and_late_ranks_hear_it(reg):
+    agree(reg, 0, now=0.0, npes=3)
+    agree(reg, 1, now=0.0, npes=3)
+    out = bodies(reg.expire(10.0))
+    assert out[("a", 0)]["ok"] is False and "waiting for rank(s) [2]" in out[("a", 0)]["reason"]
+    late = bodies(agree(reg, 2, npes=3, now=20.0))[("a", 2)]
+    assert late["ok"] is False and "timed out" in late["reason"]
+    assert reg.agreements["a"].rounds == {}
+
+
+def test_a_dead_rank_makes_pending_and_later_rounds_false(reg):
+    agree(reg, 0), agree(reg, 1)  # round 1 done: rank 1 is a known member now
+    agree(reg, 0)
+    died = bodies(reg.process_died(101, 1.0))
+    assert died[("a", 0)] == {"ok": False, "reason": "rank 1 (pid 101) died"}
+    later = bodies(agree(reg, 0))[("a", 0)]
+    assert later == {"ok": False, "reason": "rank 1 (pid 101) died"}, "no waiting on a dead rank"
+    reg.process_died(100, 2.0)
+    assert reg.agreements == {}, "a group whose members all died is forgotten"
+
+
+def test_a_new_process_may_take_a_dead_ranks_place(reg):
+    agree(reg, 0), agree(reg, 1)
+    reg.process_died(101, 1.0)
+    fresh = {"group": "a", "rank": 1, "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("n", 1), 201, fresh, 2.0) == []
+    assert bodies(agree(reg, 0))[("a", 0)]["ok"] is True
+
+
+def test_agreement_npes_mismatch_and_impostor(reg):
+    agree(reg, 0, npes=2)
+    assert errors(agree(reg, 1, npes=3))[("a", 1)].code is ErrorCode.MISMATCH
+    impostor = reg.agree(("x", 0), 999, {"group": "a", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
+    assert errors(impostor)[("x", 0)].code is ErrorCode.NOT_MEMBER
+
+
+def test_shutdown_fails_every_waiter_and_frees_everything(reg, mem):
+    live_set(reg)
+    body = {"group": "w", "name": "n", "rank": 0, "npes": 2, "nbytes": 8, "device": "d", "flags": 0, "timeout": None}
+    reg.join(("w", 0), 300, body, 0.0)
+    agree(reg, 0, group="pending")
+    failed = errors(reg.shutdown())
+    assert set(failed) == {("w", 0), ("a", 0)}
+    assert {e.code for e in failed.values()} == {ErrorCode.SHUTTING_DOWN}
+    assert mem.live == {} and reg.sets == {} and reg.agreements == {}
+
+
+def test_listing_shows_state_ranks_and_pids(reg):
+    join(reg, 0, now=1.0)
+    (entry,) = reg.listing(now=3.5)
+    assert entry["state"] == "joining" and entry["joined"] == [0] and entry["pids"] == {"0": 100}
+    assert entry["age_s"] == 2.5 and entry["bytes_allocated"] == 64

@@ -1,0 +1,103 @@
+"""The wire schema: round trips, and a coded refusal for every malformed field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from peerd import protocol
+from peerd.protocol import ErrorCode, ProtocolError
+
+JOIN = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 4096, "device": "host"}
+
+
+def raw(message) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def refused(frame: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_request(frame)
+    return info.value
+
+
+def test_request_round_trip_fills_defaults():
+    request = protocol.decode_request(protocol.encode_request(7, "join", JOIN))
+    assert request.id == 7 and request.op == "join"
+    assert request.body == {**JOIN, "flags": 0, "timeout": None}
+
+
+def test_reply_and_error_round_trip():
+    reply = protocol.decode_reply(protocol.encode_reply(3, {"handles": [b"\x00\x01"]}))
+    assert reply.ok and reply.id == 3 and reply.body == {"handles": [b"\x00\x01"]}
+    error = protocol.decode_reply(protocol.encode_error(4, ErrorCode.TIMEOUT, "rank 1 never came"))
+    assert not error.ok and error.id == 4
+    assert error.error.code is ErrorCode.TIMEOUT and error.error.message == "rank 1 never came"
+
+
+def test_envelope_and_payload_stay_apart():
+    """A body field named like an envelope field cannot overwrite it (circus's bug)."""
+    reply = protocol.decode_reply(protocol.encode_reply(1, {"ok": False, "id": 99}))
+    assert reply.ok is True and reply.id == 1 and reply.body == {"ok": False, "id": 99}
+
+
+def test_error_codes_have_stable_names():
+    assert all(code.value == code.name for code in ErrorCode)
+
+
+@pytest.mark.parametrize(
+    "frame, code, words",
+    [
+        (b"\xc1garbage", ErrorCode.BAD_REQUEST, "not a msgpack message"),
+        (raw([1, 2, 3]), ErrorCode.BAD_REQUEST, "must be a map"),
+        (raw({"v": 99, "id": 1, "op": "ls", "body": {}}), ErrorCode.UNSUPPORTED_VERSION, "version 99"),
+        (raw({"v": 1, "id": -1, "op": "ls", "body": {}}), ErrorCode.BAD_REQUEST, "'id'"),
+        (raw({"v": 1, "id": 1, "op": "fly", "body": {}}), ErrorCode.UNKNOWN_OP, "unknown op 'fly'"),
+        (raw({"v": 1, "id": 1, "op": "ls", "body": {}, "x": 1}), ErrorCode.BAD_REQUEST, "envelope"),
+        (raw({"v": 1, "id": 1, "op": "ls", "body": []}), ErrorCode.BAD_REQUEST, "body must be a map"),
+        (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.BAD_REQUEST, "exceeds"),
+    ],
+)
+def test_malformed_envelopes_are_refused_with_a_code(frame, code, words):
+    err = refused(frame)
+    assert err.code is code and words in err.message
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"rank": "0"}, "'rank' must be int"),
+        ({"rank": True}, "'rank' must be int, got bool"),
+        ({"nbytes": -1}, "'nbytes' must be between"),
+        ({"nbytes": 0}, "'nbytes' must be between"),
+        ({"nbytes": 1 << 60}, "'nbytes' must be between"),
+        ({"npes": 0}, "'npes' must be between"),
+        ({"group": ""}, "'group' must be 1 to"),
+        ({"group": "g" * 300}, "'group' must be 1 to"),
+        ({"flags": 0x80}, "unknown bits 0x80"),
+        ({"timeout": -2}, "'timeout' must be a number of seconds"),
+        ({"timeout": "soon"}, "'timeout' must be int or float or null"),
+        ({"color": "red"}, "unknown field(s) ['color']"),
+    ],
+)
+def test_every_join_field_is_validated(change, words):
+    err = refused(protocol.encode_request(5, "join", {**JOIN, **change}))
+    assert err.code is ErrorCode.BAD_REQUEST and words in err.message
+    assert err.request_id == 5, "a refusal must carry the request id so it reaches its caller"
+
+
+@pytest.mark.parametrize("field", sorted(JOIN))
+def test_missing_fields_are_named(field):
+    body = {k: v for k, v in JOIN.items() if k != field}
+    err = refused(protocol.encode_request(1, "join", body))
+    assert f"missing field {field!r}" in err.message
+
+
+def test_votes_must_be_booleans_not_ints():
+    body = {"group": "g", "rank": 0, "npes": 2, "ok": 1}
+    assert "'ok' must be bool" in refused(protocol.encode_request(1, "agree", body)).message
+
+
+def test_a_reply_with_an_unknown_code_still_decodes():
+    frame = raw({"v": 1, "id": 1, "ok": False, "error": {"code": "FROM_THE_FUTURE", "message": "m"}})
+    assert protocol.decode_reply(frame).error.code is ErrorCode.INTERNAL
