@@ -87,7 +87,42 @@ def process_group(args) -> dict:
     return {"agreed": ok, "seen": seen, "rank": a.rank, "npes": a.npes, "key": key}
 
 
-SCENARIOS = {"exchange": exchange, "agree": agree, "join": join, "process_group": process_group}
+def dropped(args) -> dict:
+    """Build a buffer, then drop it without close(): collection must release it."""
+    import gc
+
+    from peerd_client import PeerBuffer, tp_agree
+    from peerd_client.connection import connection
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    del buf
+    gc.collect()
+    assert tp_agree(True, args.group, args.rank, args.npes)  # every rank dropped its buffer
+    listing = connection().call("ls", {})["groups"]
+    return {"left": [g for g in listing if g["group"] == args.group]}
+
+
+def no_torch(args) -> dict:
+    """PeerBuffer where torch cannot be imported; tp_agree must still work."""
+    sys.modules["torch"] = None  # makes `import torch` raise ImportError
+    from peerd_client import PeerBuffer, tp_agree
+
+    agreed = tp_agree(True, args.group, args.rank, args.npes)
+    try:
+        PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    except ImportError as err:
+        return {"agreed": agreed, "import_error": str(err)}
+    return {"agreed": agreed, "import_error": None}
+
+
+SCENARIOS = {
+    "exchange": exchange,
+    "agree": agree,
+    "join": join,
+    "process_group": process_group,
+    "dropped": dropped,
+    "no_torch": no_torch,
+}
 
 
 def main() -> None:

@@ -1,0 +1,39 @@
+"""What a worker sees of the client library beyond the happy path."""
+
+from __future__ import annotations
+
+import os
+
+from tests.conftest import Daemon, run_ranks
+
+
+def test_garbage_collection_releases_a_dropped_buffer(daemon):
+    results = run_ranks(daemon, "dropped", 2, "--group", "gc")
+    assert [r["left"] for r in results] == [[], []], results
+    assert daemon.segments() == []
+
+
+def test_no_daemon_is_daemon_unavailable_saying_how_to_start_one(socket_dir):
+    ghost = Daemon(os.path.join(socket_dir, "none.sock"), None)
+    (result,) = run_ranks(ghost, "join", 2, ranks=[0])
+    assert result["type"] == "DaemonUnavailable"
+    assert "no peerd daemon socket at" in result["message"] and "peerd serve" in result["message"]
+
+
+def test_a_stale_socket_with_no_daemon_is_daemon_unavailable_within_the_connect_timeout(socket_dir):
+    import socket as sk
+
+    path = os.path.join(socket_dir, "stale.sock")
+    s = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
+    s.bind(path)  # a socket file nobody listens on, as a crashed daemon leaves it
+    s.close()
+    ghost = Daemon(path, None, extra_env={"PEERD_CONNECT_TIMEOUT": "1"})
+    (result,) = run_ranks(ghost, "agree", 2, ranks=[0], timeout=30)
+    assert result["type"] == "DaemonUnavailable" and "did not answer hello within 1s" in result["message"]
+
+
+def test_without_torch_peerbuffer_says_so_and_tp_agree_still_works(daemon):
+    results = run_ranks(daemon, "no_torch", 2, "--group", "bare")
+    for r in results:
+        assert r["ok"] and r["agreed"] is True, r
+        assert "peerd_client needs torch" in r["import_error"] and "pip install torch" in r["import_error"]
