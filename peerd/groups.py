@@ -152,6 +152,7 @@ class Slot:
     allocation: Allocation | None
     joined_at: float
     held: bool = True
+    dead: bool = False  # its process died (which also dropped its hold)
     waiter: Caller | None = None  # the join reply still owed
 
 
@@ -457,6 +458,11 @@ class Registry:
             agreement = None
         if agreement is None:
             agreement = self.agreements[group] = Agreement(group, npes)
+            # ranks of this group that died holding a buffer set are members too
+            for bset in self.all_sets():
+                for slot in bset.slots.values():
+                    if bset.group == group and slot.dead and slot.rank != rank and slot.rank < npes:
+                        agreement.pids[slot.rank] = agreement.dead[slot.rank] = slot.pid
         if agreement.npes != npes:
             return [
                 _fail(
@@ -513,10 +519,13 @@ class Registry:
     def process_died(self, pid: int, now: float) -> Outbox:
         """A client process is gone: fail what waits on it, drop what it held."""
         out: Outbox = []
-        for bset in list(self.sets.values()) + list(self.retired.values()):
+        ranks: set[tuple[str, int]] = set()  # (group, rank) the process held
+        for bset in self.all_sets():
             for slot in list(bset.slots.values()):
                 if slot.pid != pid or not slot.held:
                     continue
+                ranks.add((bset.group, slot.rank))
+                slot.dead = True
                 message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
                 if bset.state is State.JOINING:
                     slot.waiter = None
@@ -526,15 +535,22 @@ class Registry:
                     out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
                 self._drop_hold(bset, slot, "died")
         for agreement in list(self.agreements.values()):
-            for rank, owner in agreement.pids.items():
-                if owner != pid:
-                    continue
-                agreement.dead[rank] = pid
-                for rnd in agreement.rounds.values():
-                    if rnd.result is None and rank not in rnd.votes:
-                        out += rnd.finish(False, self._deaths(agreement, [rank]))
-                log.warning("group=%s rank=%d pid=%d died", agreement.group, rank, pid)
-            self._collect(agreement)
+            ranks |= {(agreement.group, r) for r, owner in agreement.pids.items() if owner == pid}
+        for group, rank in ranks:
+            agreement = self.agreements.get(group)
+            if agreement is not None and agreement.pids.get(rank, pid) == pid:
+                out += self._rank_died(agreement, rank, pid)
+        return out
+
+    def _rank_died(self, agreement: Agreement, rank: int, pid: int) -> Outbox:
+        """Every pending round the dead rank has not voted in is False now."""
+        agreement.pids[rank] = agreement.dead[rank] = pid
+        log.warning("group=%s rank=%d pid=%d died", agreement.group, rank, pid)
+        out: Outbox = []
+        for rnd in agreement.rounds.values():
+            if rnd.result is None and rank not in rnd.votes:
+                out += rnd.finish(False, self._deaths(agreement, [rank]))
+        self._collect(agreement)
         return out
 
     def shutdown(self) -> Outbox:

@@ -223,7 +223,7 @@ def _unpack(frame: bytes) -> Any:
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as err:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"not a msgpack message: {err}") from None
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"not a msgpack message ({type(err).__name__}: {err})") from None
 
 
 def encode_request(request_id: int, op: str, body: dict[str, Any]) -> bytes:

@@ -100,9 +100,10 @@ def daemon(socket_dir):
     assert not os.path.exists(d.socket), "socket left after shutdown"
 
 
-def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str) -> subprocess.Popen:
+def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str, stdin=None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(HERE / "rank.py"), scenario, "--rank", str(rank), "--npes", str(npes), *args],
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

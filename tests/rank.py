@@ -115,7 +115,102 @@ def no_torch(args) -> dict:
     return {"agreed": agreed, "import_error": None}
 
 
+STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
+
+
+def chaos(args) -> dict:
+    """Join, agree, close; with --die-at STEP this rank SIGKILLs itself at that step.
+
+    in_rendezvous is the test's to kill (it waits for the join to be logged);
+    in_agreement dies while its peers already wait in tp_agree.
+    """
+    import os
+    import signal
+    import threading
+
+    import peerd_client.buffer as buffer_module
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if args.die_at == "before_join":
+        die()
+    if args.die_at in ("after_handles", "in_close"):
+        cache = buffer_module.mappings
+        patched = "open" if args.die_at == "after_handles" else "close"
+        setattr(cache, patched, die)
+    start, stage, agreed = time.monotonic(), "join", None
+    try:
+        buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)
+        stage = "agree"
+        if args.die_at == "in_agreement":
+            threading.Timer(1.0, die).start()
+            time.sleep(30)
+        agreed = tp_agree(True, args.group, timeout=args.timeout)
+        if args.die_at == "after_ready":
+            die()
+        stage = "close"
+        buf.close()
+        stage = "done"
+    except MonoUnsupported as err:
+        return {"stage": stage, "code": err.code, "message": str(err), "elapsed": time.monotonic() - start}
+    return {"stage": stage, "agreed": agreed, "elapsed": time.monotonic() - start}
+
+
+def restart(args) -> dict:
+    """Agree, wait for the test to restart the daemon, then call again twice."""
+    from peerd_client import DaemonUnavailable, tp_agree
+
+    first = tp_agree(True, args.group, 0, 1)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        tp_agree(True, args.group, 0, 1)
+        second = "no error"
+    except DaemonUnavailable as err:
+        second = str(err)
+    return {"first": first, "second": second, "third": tp_agree(True, args.group, 0, 1)}
+
+
+def forked(args) -> dict:
+    """A forked child must not use its parent's buffer, and may open its own connection."""
+    import os
+
+    from peerd_client import ForkedProcessError, PeerBuffer, tp_agree
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(read)
+        said = {}
+        try:
+            try:
+                buf.addresses
+                said["verdict"] = "no error"
+            except ForkedProcessError as err:
+                said["verdict"] = str(err)
+            said["own"] = tp_agree(True, f"{args.group}-child{args.rank}", 0, 1)  # its own connection
+            del buf  # collection in the child must not release the parent's rank
+        except Exception as err:
+            said["error"] = repr(err)
+        finally:
+            os.write(write, json.dumps(said).encode())
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    child_says = json.loads(os.read(read, 65536))
+    agreed = tp_agree(True, args.group)  # the parent still holds its rank and connection
+    pointers = len(buf.pointers)
+    buf.close()
+    return {"child": child_says, "child_status": status, "agreed": agreed, "pointers": pointers}
+
+
 SCENARIOS = {
+    "chaos": chaos,
+    "restart": restart,
+    "forked": forked,
     "exchange": exchange,
     "agree": agree,
     "join": join,
@@ -137,6 +232,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--store", default="")
+    parser.add_argument("--die-at", choices=STEPS, default=None)
     args = parser.parse_args()
     try:
         out = {"ok": True, **SCENARIOS[args.scenario](args)}

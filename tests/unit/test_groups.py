@@ -262,6 +262,16 @@ def test_a_new_process_may_take_a_dead_ranks_place(reg):
     assert bodies(agree(reg, 0))[("a", 0)]["ok"] is True
 
 
+def test_a_buffer_set_member_that_dies_fails_its_groups_agreement(reg):
+    live_set(reg)  # group "g": ranks 0 and 1 hold buffers, neither has agreed yet
+    agree(reg, 0, group="g")
+    waiting = bodies(reg.process_died(101, 1.0))
+    assert waiting[("a", 0)]["ok"] is False and "rank 1 (pid 101) died" in waiting[("a", 0)]["reason"]
+    reg.agreements.clear()
+    late = bodies(agree(reg, 0, group="g"))
+    assert late[("a", 0)]["ok"] is False, "a death before the first vote is known too"
+
+
 def test_agreement_npes_mismatch_and_impostor(reg):
     agree(reg, 0, npes=2)
     assert errors(agree(reg, 1, npes=3))[("a", 1)].code is ErrorCode.MISMATCH

@@ -1,0 +1,231 @@
+"""HIP backend: hipExtMallocWithFlags + hipIpcGetMemHandle, through hip-python.
+
+NOT YET RUN ON AMD HARDWARE: written against hip-python's documented
+signatures only; the selection logic is tested, the GPU paths are not.
+
+The handle is the 64 bytes of a ``hipIpcMemHandle_t``. Buffers are uncached
+(``hipDeviceMallocUncached``, 0x3: hip-python has no constant for it), so a
+peer's stores are seen without cache maintenance; ``FLAG_FINE_GRAINED`` asks
+for fine-grained memory (``hipDeviceMallocFinegrained``, 0x1) instead.
+
+Device identity is the string ``rocminfo`` prints as the agent's Uuid,
+"GPU-" followed by the ASCII unique ID that ROCm writes into ``hipUUID``
+(e.g. GPU-e282895b62c2b295), which ``HIP_VISIBLE_DEVICES`` also accepts.
+A GPU without a unique ID is named by its PCI bus id instead.
+
+hip-python comes in two layouts with different signatures: in the releases
+built as ``hip.hip`` the caller passes each struct or string buffer that a
+call fills in; the newer ``rocm.bindings.hip`` (which recent hip-python
+re-exports as ``hip.hip``, so it is tried first) returns them in the result
+tuple instead. Both are handled; every other call has the same form in both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from ..groups import Allocation
+from ..protocol import FLAG_FINE_GRAINED, ErrorCode, ProtocolError
+from . import Mapper as MapperBase
+from . import BackendUnavailable, MemoryBackend
+
+log = logging.getLogger("peerd.backends.hip")
+
+GRANULE = 2 << 20  # a handle exposes a whole allocation: never share one across buffers
+HANDLE_BYTES = 64  # HIP_IPC_HANDLE_SIZE
+UNCACHED = 0x3  # hipDeviceMallocUncached
+FINE_GRAINED = 0x1  # hipDeviceMallocFinegrained
+_TEXT = 256  # buffer for names and bus ids
+
+
+def _round_up(nbytes: int, granule: int) -> int:
+    return -(-nbytes // granule) * granule
+
+
+class HipError(RuntimeError):
+    """A HIP call failed; ``name`` is the error's name (hipErrorOutOfMemory, …)."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__(f"{what} failed: {name}")
+        self.name = name
+
+
+def _check(result: tuple, what: str) -> Any:
+    """Unpack a hip-python result tuple ``(hipError_t, *values)``; raise HipError on failure."""
+    err, *values = result
+    if err != 0:  # hipSuccess
+        raise HipError(getattr(err, "name", str(err)), what)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class _Hip:
+    """hip-python's runtime module, whichever layout is installed, behind one set of calls."""
+
+    def __init__(self) -> None:
+        try:
+            try:
+                from rocm.bindings import hip  # out-parameters come back in the result tuple
+
+                self.returns_out = True
+            except ImportError:
+                from hip import hip  # the caller passes what a call fills in
+
+                self.returns_out = False
+        except Exception as err:  # ImportError, or OSError/RuntimeError loading the library
+            raise BackendUnavailable(
+                f"hip-python / libamdhip64 could not be loaded ({err}); install ROCm and the "
+                "hip-python wheel that matches its version"
+            ) from None
+        self.rt = hip
+        try:
+            self.count = _check(hip.hipGetDeviceCount(), "hipGetDeviceCount")
+        except HipError as err:
+            raise BackendUnavailable(f"no usable HIP device: {err}") from None
+        except (OSError, RuntimeError) as err:  # hip-python resolves libamdhip64 symbols on first use
+            raise BackendUnavailable(f"libamdhip64 could not be loaded through hip-python ({err})") from None
+
+    def _bytes(self, fn, size: int, ordinal: int, what: str) -> bytes:
+        if self.returns_out:
+            return ctypes.string_at(int(_check(fn(ordinal), what)), size)
+        buf = bytearray(size)
+        _check(fn(buf, ordinal), what)
+        return bytes(buf)
+
+    def _text(self, fn, ordinal: int, what: str) -> str:
+        if self.returns_out:
+            raw = ctypes.string_at(int(_check(fn(_TEXT, ordinal), what)))
+        else:
+            buf = bytearray(_TEXT)
+            _check(fn(buf, _TEXT, ordinal), what)
+            raw = bytes(buf).split(b"\0", 1)[0]
+        return raw.decode(errors="replace")
+
+    def identity(self, ordinal: int) -> str:
+        raw = self._bytes(self.rt.hipDeviceGetUuid, 16, ordinal, f"hipDeviceGetUuid({ordinal})")
+        text = raw.rstrip(b"\0")
+        if not text:  # no unique ID (rocminfo prints GPU-XX): the bus id is the only stable name
+            return self.pci_bus_id(ordinal)
+        if all(0x21 <= c < 0x7F for c in text):
+            return f"GPU-{text.decode()}"
+        return f"GPU-{raw.hex()}"
+
+    def pci_bus_id(self, ordinal: int) -> str:
+        return self._text(self.rt.hipDeviceGetPCIBusId, ordinal, f"hipDeviceGetPCIBusId({ordinal})")
+
+    def name(self, ordinal: int) -> str:
+        return self._text(self.rt.hipDeviceGetName, ordinal, f"hipDeviceGetName({ordinal})")
+
+    def ipc_handle(self, pointer: int) -> bytes:
+        hip = self.rt
+        if self.returns_out:
+            handle = _check(hip.hipIpcGetMemHandle(pointer), "hipIpcGetMemHandle")
+            return ctypes.string_at(int(handle), HANDLE_BYTES)
+        buf = bytearray(HANDLE_BYTES)
+        _check(hip.hipIpcGetMemHandle(buf, pointer), "hipIpcGetMemHandle")
+        return bytes(buf)
+
+
+class Memory(MemoryBackend):
+    """The daemon's half. ``footprint_bytes`` is None: not measured on AMD yet."""
+
+    name = "hip"
+
+    def __init__(self) -> None:
+        self._hip = h = _Hip()
+        self._devices: list[dict[str, Any]] = []
+        for ordinal in range(h.count):
+            try:
+                self._devices.append(self._start(ordinal))
+            except HipError as err:
+                log.warning("HIP device %d is not usable, skipping it: %s", ordinal, err)
+        if not self._devices:
+            raise BackendUnavailable(f"none of the {h.count} HIP device(s) could be initialised (see the log)")
+        self._ordinal = {d["uuid"]: d["index"] for d in self._devices}
+
+    def _start(self, ordinal: int) -> dict[str, Any]:
+        """Initialise device ``ordinal`` now, so the daemon is ready when it says so; describe it."""
+        h, hip = self._hip, self._hip.rt
+        _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
+        _check(hip.hipDeviceSynchronize(), f"hipDeviceSynchronize on device {ordinal}")
+        device = {
+            "index": ordinal,
+            "uuid": h.identity(ordinal),
+            "pci_bus_id": h.pci_bus_id(ordinal),
+            "name": h.name(ordinal),
+            "total_bytes": int(_check(hip.hipDeviceTotalMem(ordinal), f"hipDeviceTotalMem({ordinal})")),
+            "footprint_bytes": None,
+        }
+        log.info("serving HIP device %d: %s %s (%s)", ordinal, device["name"], device["uuid"], device["pci_bus_id"])
+        return device
+
+    def devices(self) -> list[dict]:
+        return [dict(d) for d in self._devices]
+
+    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+        ordinal = self._ordinal.get(device)
+        if ordinal is None:
+            raise self.unknown_device(device)
+        hip = self._hip.rt
+        size = _round_up(nbytes, GRANULE)
+        kind = FINE_GRAINED if flags & FLAG_FINE_GRAINED else UNCACHED
+        _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
+        try:
+            pointer = int(_check(hip.hipExtMallocWithFlags(size, kind), f"hipExtMallocWithFlags({size}, {kind:#x})"))
+        except HipError as err:
+            hip.hipGetLastError()  # clear it: an allocation failure must not leak into the next call
+            free, _ = _check(hip.hipMemGetInfo(), "hipMemGetInfo")
+            raise ProtocolError(
+                ErrorCode.ALLOCATION_FAILED,
+                f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {err.name}; "
+                f"{free} bytes ({free / 2**20:.0f} MiB) are free there",
+            ) from None
+        try:
+            _check(hip.hipMemset(pointer, 0, size), "hipMemset")
+            _check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
+            handle = self._hip.ipc_handle(pointer)
+        except HipError as err:
+            hip.hipFree(pointer)
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot export {size} bytes on {device}: {err}") from None
+        return Allocation(self.name, handle, size, device, token=(ordinal, pointer))
+
+    def free(self, allocation: Allocation) -> None:
+        ordinal, pointer = allocation.token
+        hip = self._hip.rt
+        _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
+        _check(hip.hipFree(pointer), f"hipFree on {allocation.device}")
+
+    def close(self) -> None:
+        """Nothing: process exit releases the devices; hipDeviceReset would free buffers still mapped."""
+
+
+# ---------------------------------------------------------------- the worker's half
+
+
+class Mapper(MapperBase):
+    """The worker's half: opens handles on the calling thread's current device."""
+
+    def __init__(self) -> None:
+        self._hip = _Hip()
+
+    def device_identity(self, index: int | None) -> str:
+        hip = self._hip.rt
+        if index is None:
+            index = _check(hip.hipGetDevice(), "hipGetDevice")
+        return self._hip.identity(index)
+
+    def open(self, handle: bytes, size: int) -> int:
+        if len(handle) != HANDLE_BYTES:
+            raise ValueError(f"a HIP IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
+        hip = self._hip.rt
+        # hip-python accepts any buffer where a struct is passed by value: it copies the 64 bytes.
+        pointer = _check(
+            hip.hipIpcOpenMemHandle(bytearray(handle), hip.hipIpcMemLazyEnablePeerAccess), "hipIpcOpenMemHandle"
+        )
+        return int(pointer)
+
+    def close(self, address: int, size: int) -> None:
+        _check(self._hip.rt.hipIpcCloseMemHandle(address), f"hipIpcCloseMemHandle({address:#x})")
