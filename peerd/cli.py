@@ -115,7 +115,7 @@ def status(socket_path: str, as_json: bool) -> None:
         bus = f" {d['pci_bus_id']}" if d.get("pci_bus_id") else ""
         click.echo(
             f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {_size(d['total_bytes'])} total, "
-            f"daemon footprint {_size(d['footprint_bytes'])}"
+            f"daemon footprint {_size(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
 
 

@@ -340,8 +340,10 @@ class Registry:
             out += bset.commit.finish(False, message)
         bset.state, bset.failure = State.FAILED, error
         if not bset.holders():
-            # keep the verdict for ranks that join late, then forget it
-            self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))
+            if len(bset.told) == bset.npes:
+                self._forget(bset)
+            else:  # keep the verdict for ranks that join late, then forget it
+                self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))
         return out
 
     def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
@@ -529,6 +531,7 @@ class Registry:
                 message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
                 if bset.state is State.JOINING:
                     slot.waiter = None
+                    bset.told.add(slot.rank)  # the dead need no verdict
                     out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before every rank joined")
                     break
                 if bset.state is State.OPENING and slot.rank not in bset.commit.votes:

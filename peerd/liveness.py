@@ -17,7 +17,7 @@ log = logging.getLogger("peerd.liveness")
 POLL_INTERVAL = 0.2
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -64,7 +64,7 @@ class PidWatcher:
         """Pids found dead without a pidfd (at watch time, or by polling)."""
         dead, self._dead = self._dead, []
         if self.polling:
-            polled = [pid for pid in self._pids - set(self.fds.values()) if not _alive(pid)]
+            polled = [pid for pid in self._pids - set(self.fds.values()) if not pid_alive(pid)]
             dead += polled
         for pid in dead:
             self._pids.discard(pid)

@@ -22,6 +22,23 @@ from ..protocol import ErrorCode, ProtocolError
 
 BACKENDS = ("host", "cuda", "hip")
 
+#: GPU buffers are rounded up to this: a handle exposes a whole allocation, so
+#: no handle ever shows a neighbour's memory and no two buffers share a mapping
+GPU_GRANULE = 2 << 20
+
+
+def round_up(nbytes: int, granule: int) -> int:
+    return -(-nbytes // granule) * granule
+
+
+def out_of_memory(size: int, device: str, error: str, free: int) -> ProtocolError:
+    """The refusal a worker sees when a device cannot hold its buffer."""
+    return ProtocolError(
+        ErrorCode.ALLOCATION_FAILED,
+        f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {error}; "
+        f"{free} bytes ({free / 2**20:.0f} MiB) are free there",
+    )
+
 
 class BackendUnavailable(RuntimeError):
     """The backend's library or device cannot be used on this machine."""

@@ -27,17 +27,13 @@ from typing import Any
 from ..groups import Allocation
 from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from . import BackendUnavailable, MemoryBackend
+from . import GPU_GRANULE, BackendUnavailable, MemoryBackend, out_of_memory, round_up
 
 log = logging.getLogger("peerd.backends.cuda")
 
-GRANULE = 2 << 20  # a handle exposes a whole allocation: never share one across buffers
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 STACK_BYTES = 0  # per-thread stack limit set on the daemon's contexts
 
-
-def _round_up(nbytes: int, granule: int) -> int:
-    return -(-nbytes // granule) * granule
 
 
 def _load():
@@ -183,18 +179,14 @@ class Memory(MemoryBackend):
         if ordinal is None:
             raise self.unknown_device(device)
         cudart = self._rt
-        size = _round_up(nbytes, GRANULE)
+        size = round_up(nbytes, GPU_GRANULE)
         _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
         try:
             pointer = _check(cudart, cudart.cudaMalloc(size), f"cudaMalloc({size})")
         except CudaError as err:
             cudart.cudaGetLastError()  # clear it: an allocation failure must not leak into the next call
             free, _ = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-            raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED,
-                f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {err.name}; "
-                f"{free} bytes ({free / 2**20:.0f} MiB) are free there",
-            ) from None
+            raise out_of_memory(size, device, err.name, free) from None
         try:
             _check(cudart, cudart.cudaMemset(pointer, 0, size), "cudaMemset")
             _check(cudart, cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")

@@ -29,19 +29,15 @@ from typing import Any
 from ..groups import Allocation
 from ..protocol import FLAG_FINE_GRAINED, ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from . import BackendUnavailable, MemoryBackend
+from . import GPU_GRANULE, BackendUnavailable, MemoryBackend, out_of_memory, round_up
 
 log = logging.getLogger("peerd.backends.hip")
 
-GRANULE = 2 << 20  # a handle exposes a whole allocation: never share one across buffers
 HANDLE_BYTES = 64  # HIP_IPC_HANDLE_SIZE
 UNCACHED = 0x3  # hipDeviceMallocUncached
 FINE_GRAINED = 0x1  # hipDeviceMallocFinegrained
 _TEXT = 256  # buffer for names and bus ids
 
-
-def _round_up(nbytes: int, granule: int) -> int:
-    return -(-nbytes // granule) * granule
 
 
 class HipError(RuntimeError):
@@ -170,7 +166,7 @@ class Memory(MemoryBackend):
         if ordinal is None:
             raise self.unknown_device(device)
         hip = self._hip.rt
-        size = _round_up(nbytes, GRANULE)
+        size = round_up(nbytes, GPU_GRANULE)
         kind = FINE_GRAINED if flags & FLAG_FINE_GRAINED else UNCACHED
         _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
         try:
@@ -178,11 +174,7 @@ class Memory(MemoryBackend):
         except HipError as err:
             hip.hipGetLastError()  # clear it: an allocation failure must not leak into the next call
             free, _ = _check(hip.hipMemGetInfo(), "hipMemGetInfo")
-            raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED,
-                f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {err.name}; "
-                f"{free} bytes ({free / 2**20:.0f} MiB) are free there",
-            ) from None
+            raise out_of_memory(size, device, err.name, free) from None
         try:
             _check(hip.hipMemset(pointer, 0, size), "hipMemset")
             _check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")

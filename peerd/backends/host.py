@@ -19,7 +19,8 @@ import re
 from ..groups import Allocation
 from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from . import BackendUnavailable, MemoryBackend
+from ..liveness import pid_alive
+from . import BackendUnavailable, MemoryBackend, round_up
 
 log = logging.getLogger("peerd.backends.host")
 
@@ -29,26 +30,12 @@ DEVICE = "host"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-\d+$")
 
 
-def _round_up(nbytes: int, granule: int) -> int:
-    return -(-nbytes // granule) * granule
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_orphans() -> list[str]:
     """Unlink segments left by peerd daemons that are no longer running."""
     swept = []
     for entry in os.listdir(SHM_DIR):
         match = _NAME.match(entry)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             try:
                 os.unlink(os.path.join(SHM_DIR, entry))
                 swept.append(entry)
@@ -84,7 +71,7 @@ class Memory(MemoryBackend):
     def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
         if device != DEVICE:
             raise self.unknown_device(device)
-        size = _round_up(nbytes, mmap.PAGESIZE)
+        size = round_up(nbytes, mmap.PAGESIZE)
         name = f"{PREFIX}{os.getpid()}-{next(self._serial)}"
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

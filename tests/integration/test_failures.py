@@ -10,11 +10,10 @@ import socket
 import subprocess
 
 import msgpack
-import pytest
 import zmq
 
 from peerd import protocol
-from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+from tests.conftest import finish, run_ranks, start_rank, wait_until
 
 
 def joined(daemon, group, rank):
