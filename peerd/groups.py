@@ -30,6 +30,10 @@ from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.groups")
 
+#: Settled agreement rounds kept for ranks that have not reached them yet; a
+#: rank further behind than this gets a fresh round (and a timeout), not a hang.
+MAX_SETTLED_ROUNDS = 64
+
 Caller = Hashable  # opaque to this module: the server's routing id and request id
 
 
@@ -133,12 +137,15 @@ class Agreement:
                 break
             if all(self.calls.get(rank, 0) >= k or rank in self.dead for rank in range(self.npes)):
                 del self.rounds[k]
+        settled = sorted(k for k, r in self.rounds.items() if r.result is not None)
+        for k in settled[:-MAX_SETTLED_ROUNDS]:  # kept for late ranks, within reason
+            del self.rounds[k]
         if not self.rounds:
             self.calls.clear()
 
     def finished(self) -> bool:
-        """Every member it knew of is dead and nothing is pending: forget it."""
-        return not self.rounds and set(self.pids) <= set(self.dead)
+        """Every member it knew of is dead: nobody can still be waiting on it."""
+        return set(self.pids) <= set(self.dead)
 
 
 # ---------------------------------------------------------------- buffer sets
@@ -509,7 +516,9 @@ class Registry:
             f"waiting for rank(s) {rnd.missing()}"
         )
         log.warning("%s", reason)
-        return rnd.finish(False, reason)
+        out = rnd.finish(False, reason)
+        self._collect(agreement)
+        return out
 
     def _collect(self, agreement: Agreement) -> None:
         agreement.collect()

@@ -1,0 +1,112 @@
+"""Property-based tests: no input crashes the decoder; no sequence of events
+leaks memory, double-frees, answers a request twice or leaves one unanswered."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from peerd import protocol
+from peerd.groups import Registry
+from peerd.protocol import ProtocolError
+from tests.unit.test_groups import FakeMemory
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+@given(st.binary(max_size=512))
+def test_any_bytes_decode_or_raise_protocol_error(frame):
+    try:
+        protocol.decode_request(frame)
+    except ProtocolError:
+        pass
+
+
+@given(st.sampled_from(sorted(protocol.OPS) + ["nope"]), values, st.integers(-5, 2**64 - 1) | values)
+def test_any_msgpack_request_decodes_or_raises_protocol_error(op, body, request_id):
+    frame = msgpack.packb({"v": 1, "id": request_id, "op": op, "body": body}, use_bin_type=True)
+    try:
+        request = protocol.decode_request(frame)
+    except ProtocolError:
+        return
+    assert request.op == op and set(request.body) == set(protocol.OPS[op])
+
+
+PIDS = [100, 101, 102, 103, 104]
+event = st.one_of(
+    st.tuples(st.just("join"), st.integers(0, 3), st.sampled_from([2, 3]), st.sampled_from([64, 128]),
+              st.sampled_from(PIDS)),
+    st.tuples(st.just("commit"), st.integers(0, 2), st.booleans(), st.sampled_from(PIDS)),
+    st.tuples(st.just("release"), st.integers(0, 2), st.sampled_from(PIDS)),
+    st.tuples(st.just("agree"), st.integers(0, 2), st.booleans(), st.sampled_from(PIDS)),
+    st.tuples(st.just("die"), st.sampled_from(PIDS)),
+    st.tuples(st.just("wait"), st.floats(0, 30)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event, max_size=40), st.sampled_from(["n1", "n2"]))
+def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
+    mem = FakeMemory()
+    reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)
+    ids = itertools.count()
+    issued: dict[tuple, int] = {}  # caller -> pid
+    answered: set = set()
+    dead: set[int] = set()
+    now = 0.0
+
+    def deliver(out):
+        for send in out:
+            assert send.caller not in answered, f"answered twice: {send.caller}"
+            answered.add(send.caller)
+
+    def call(method, pid, body):
+        caller = ("c", next(ids))
+        issued[caller] = pid
+        deliver(method(caller, pid, body, now))
+
+    for ev in events:
+        kind = ev[0]
+        if kind == "wait":
+            now += ev[1]
+            deliver(reg.expire(now))
+            continue
+        if kind == "die":
+            if ev[1] not in dead:
+                dead.add(ev[1])
+                deliver(reg.process_died(ev[1], now))
+            continue
+        pid = ev[-1]
+        if pid in dead:
+            continue  # the dead send nothing
+        if kind == "join":
+            call(reg.join, pid, {"group": "g", "name": name, "rank": ev[1], "npes": ev[2], "nbytes": ev[3],
+                                 "device": "d", "flags": 0, "timeout": None})
+        elif kind == "commit":
+            call(reg.commit, pid, {"group": "g", "name": name, "rank": ev[1], "ok": ev[2], "reason": "",
+                                   "timeout": None})
+        elif kind == "release":
+            call(reg.release, pid, {"group": "g", "name": name, "rank": ev[1]})
+        else:
+            call(reg.agree, pid, {"group": "g", "rank": ev[1], "npes": 3, "ok": ev[2], "timeout": None})
+        held = {s.allocation.handle for b in reg.all_sets() for s in b.slots.values() if s.allocation}
+        assert held == set(mem.live), "every live allocation belongs to exactly one slot"
+
+    now += 1000
+    deliver(reg.expire(now))
+    unanswered = [c for c, pid in issued.items() if c not in answered and pid not in dead]
+    assert not unanswered, f"requests of live processes never answered: {unanswered}"
+    for pid in PIDS:
+        if pid not in dead:
+            deliver(reg.process_died(pid, now))
+    deliver(reg.expire(now + 1000))
+    assert mem.live == {}, "memory left once every process is gone"
+    assert reg.sets == {} and reg.retired == {} and reg.agreements == {}
