@@ -80,6 +80,8 @@ class PeerBuffer:
         remember(member)
 
         failure, pointers = None, []
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # handles open in the current device's context
         try:
             for handle, size in zip(joined["handles"], joined["sizes"]):
                 pointers.append(mappings.open(self._mapper, handle, size))

@@ -147,3 +147,16 @@ def list_groups(socket_path: str, as_json: bool) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+
+
+@main.command()
+@_socket_option
+@click.option("--ranks", type=click.IntRange(1, 64), default=2, show_default=True, help="Worker processes to start.")
+@click.option("--nbytes", type=click.IntRange(min=1), default=1 << 20, show_default=True, help="Bytes per rank.")
+@click.option("--device", default=None, help="torch device for every rank (default: the GPU where torch sees one, else cpu).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=120.0, show_default=True, help="Seconds for the whole test.")
+def selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, timeout: float) -> None:
+    """Start N workers that map, write, read and agree through the daemon; exit 0 only if all pass."""
+    from .selftest import run_selftest
+
+    sys.exit(run_selftest(socket_path, ranks, nbytes, device, timeout))

@@ -44,18 +44,20 @@ class Daemon:
     socket: str
     log: Path
     args: tuple[str, ...] = ()
+    backend: str = "host"
     proc: subprocess.Popen | None = None
-    extra_env: dict = field(default_factory=dict)
+    extra_env: dict = field(default_factory=dict)  # for the daemon and the ranks
+    daemon_env: dict = field(default_factory=dict)  # for the daemon alone
 
     def env(self) -> dict:
         return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **self.extra_env}
 
     def start(self) -> "Daemon":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", self.socket, *self.args],
+            [sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket, *self.args],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
-            env=self.env(),
+            env={**self.env(), **self.daemon_env},
         )
         wait_until(lambda: answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
         assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"

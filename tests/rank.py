@@ -115,6 +115,25 @@ def no_torch(args) -> dict:
     return {"agreed": agreed, "import_error": None}
 
 
+def cache(args) -> dict:
+    """Opening a handle this process already mapped must reuse the mapping."""
+    from peerd_client import PeerBuffer
+    from peerd_client.mappings import mappings
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    mapper, opened = buf._mapper, []
+    real_open = mapper.open
+    mapper.open = lambda handle, size: opened.append(handle) or real_open(handle, size)
+    again = [mappings.open(mapper, h, 0) for h in buf._handles]
+    same = again == buf.pointers
+    for h in buf._handles:
+        mappings.close(h)
+    mapped_while_open = len(mappings)
+    buf.close()
+    return {"same": same, "driver_opens": len(opened), "mapped_while_open": mapped_while_open,
+            "mapped_after_close": len(mappings)}
+
+
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
 
 
@@ -208,6 +227,7 @@ def forked(args) -> dict:
 
 
 SCENARIOS = {
+    "cache": cache,
     "chaos": chaos,
     "restart": restart,
     "forked": forked,

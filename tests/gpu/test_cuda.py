@@ -1,0 +1,119 @@
+"""The CUDA backend on a real GPU: a cuda daemon, worker processes sharing the GPU.
+
+Skipped, with the reason, where torch sees no CUDA GPU or cuda-bindings is
+missing. Run on a GPU machine with `python -m pytest -m gpu tests/gpu`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, finish, start_rank, wait_until
+
+MiB = 1 << 20
+
+
+def _no_gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no usable CUDA GPU (torch.cuda.is_available() is False)"
+    try:
+        from peerd.backends.cuda import _load
+
+        _load()
+    except Exception as err:
+        return f"the cuda backend cannot load: {err}"
+    return None
+
+
+REASON = _no_gpu_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+
+def gpu_uuid() -> str:
+    from peerd.backends.cuda import Mapper
+
+    return Mapper().device_identity(0)
+
+
+def used_bytes() -> int:
+    """Memory in use on GPU 0, from NVML: what every process holds, the daemon's buffers included."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@pytest.fixture
+def cuda_daemon(socket_dir):
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", backend="cuda").start()
+    yield d
+    assert d.stop() == 0, d.logs()
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_selftest_passes_with_several_workers_on_one_gpu(cuda_daemon, ranks):
+    result = cuda_daemon.cli("selftest", "--ranks", str(ranks), timeout=300)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"PASS: {ranks} rank(s)" in result.stdout and "FAIL" not in result.stdout.replace("PASS", "")
+
+
+def test_buffers_are_rounded_to_2_mib_and_memory_returns_to_baseline(cuda_daemon):
+    baseline = used_bytes()
+    nbytes = 3 * MiB + 5
+    ranks = [start_rank(cuda_daemon, "join", r, 2, "--group", "round", "--nbytes", str(nbytes), "--hold", "5")
+             for r in range(2)]
+    wait_until(lambda: "group=round name=default live" in cuda_daemon.logs(), 120, "the set to go live")
+    (entry,) = json.loads(cuda_daemon.cli("ls", "--json").stdout)
+    assert entry["bytes_allocated"] == 2 * 4 * MiB, "3 MiB + 5 bytes rounds up to 4 MiB per rank"
+    for p in ranks:
+        assert finish(p)["ok"]
+    time.sleep(1.0)  # the workers' contexts go with their processes
+    assert abs(used_bytes() - baseline) < 2 * MiB, "device memory must return to its baseline"
+
+
+def test_a_cached_handle_is_not_opened_twice(cuda_daemon):
+    from tests.conftest import run_ranks
+
+    for r in run_ranks(cuda_daemon, "cache", 2, "--group", "gpu-cache"):
+        assert r["ok"] and r["same"] and r["driver_opens"] == 0 and r["mapped_after_close"] == 0, r
+
+
+def test_the_daemon_context_footprint_is_small_and_reported(cuda_daemon):
+    (device,) = json.loads(cuda_daemon.cli("status", "--json").stdout)["devices"]
+    print(f"daemon footprint on {device['name']}: {device['footprint_bytes'] / MiB:.0f} MiB")
+    assert device["uuid"] == gpu_uuid() and device["pci_bus_id"] and device["total_bytes"] > 0
+    assert 0 < device["footprint_bytes"] <= 300 * MiB, "a default context (~520 MiB) was not shrunk"
+
+
+def test_devices_are_matched_by_uuid_whatever_cuda_visible_devices_says(socket_dir):
+    uuid = gpu_uuid()
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", backend="cuda",
+               daemon_env={"CUDA_VISIBLE_DEVICES": uuid}, extra_env={"CUDA_VISIBLE_DEVICES": "0"}).start()
+    try:
+        result = d.cli("selftest", "--ranks", "2", timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_backend_alone_across_processes():
+    """Allocation, export and opening under three CUDA_VISIBLE_DEVICES forms, out of memory, free."""
+    script = Path(__file__).with_name("smoke_cuda_backend.py")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    print(result.stdout)
+    assert result.returncode == 0 and "ALL PASS" in result.stdout, result.stdout + result.stderr
