@@ -135,3 +135,14 @@ def test_garbage_on_the_socket_never_stops_the_daemon(daemon):
     assert all(r["ok"] for r in run_ranks(daemon, "exchange", 2, "--group", "still-works"))
     assert daemon.cli("status").returncode == 0
     assert "sent a bad request" in daemon.logs() and "dropped a message of 3 frames" in daemon.logs()
+
+
+def test_a_call_waiting_on_a_frozen_daemon_fails_within_a_heartbeat(daemon):
+    waiting = start_rank(daemon, "join", 0, 2, "--group", "frozen", "--timeout", "120")
+    wait_until(joined(daemon, "frozen", 0), 30, "rank 0 to join")
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive but silent: only heartbeats can tell
+    try:
+        result = finish(waiting, timeout=30)  # far inside the 120 s rendezvous timeout
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert result["type"] == "DaemonUnavailable" and "went away" in result["message"], result
