@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 
 import click
 
 from . import __version__
 from .paths import check_socket_path, default_socket
+from .settings import Settings, serve_options
 
 EXIT_UNREACHABLE = 3
 
@@ -43,49 +45,68 @@ def main() -> None:
 
 
 @main.command()
-@_socket_option
-@click.option(
-    "--backend",
-    type=click.Choice(["auto", "host", "cuda", "hip"]),
-    default="auto",
-    show_default=True,
-    help="Memory backend; auto picks cuda, else hip, else host shared memory.",
-)
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
-@click.option("--rendezvous-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds a join waits for every rank, unless the client asks otherwise.")
-@click.option("--agreement-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds an agreement waits for every vote, unless the client asks otherwise.")
-def serve(socket_path: str, backend: str, log_level: str, rendezvous_timeout: float, agreement_timeout: float) -> None:
+@serve_options
+def serve(settings: Settings) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from .access import UnsafeSocketDirectory
     from .backends import BackendUnavailable, memory_backend
     from .lockfile import AlreadyRunning
     from .server import Daemon
 
-    _setup_logging(log_level)
+    _setup_logging(settings.log_level)
     try:
-        path = check_socket_path(socket_path)
-        memory = memory_backend(backend)
-        daemon = Daemon(path, memory, rendezvous_timeout, agreement_timeout)
-        daemon.serve()
-    except (AlreadyRunning, BackendUnavailable, ValueError, OSError) as err:
+        settings = replace(settings, socket=check_socket_path(settings.socket))
+        Daemon(settings, memory_backend(settings.backend)).serve()
+    except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError) as err:
         raise click.ClickException(str(err)) from None
 
 
-def _ask(socket_path: str, op: str) -> dict:
-    """One request to the daemon; exits EXIT_UNREACHABLE when none answers."""
+@main.command(options_metavar="[SERVE OPTIONS] --", context_settings={"allow_interspersed_args": False})
+@serve_options
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="CMD [ARGS]...")
+def run(settings: Settings, command: tuple[str, ...]) -> None:
+    """Run CMD with a daemon of its own, started before it and stopped after it.
+
+    The daemon serves a socket in a fresh 0700 directory, given to CMD as
+    $PEERD_SOCKET; SIGINT, SIGTERM and SIGHUP sent to peerd run go on to CMD.
+    Exits with CMD's status (128+N if signal N killed it), 125 if peerd run
+    itself failed. Example: peerd run -- torchrun --nproc-per-node 8 serve.py
+    """
+    from click.core import ParameterSource
+
+    from .launcher import launch
+
+    given = click.get_current_context().get_parameter_source
+    if given("socket") is ParameterSource.COMMANDLINE:
+        raise click.UsageError(
+            "peerd run gives the job a private socket; drop --socket, or run a shared daemon "
+            "with `peerd serve --socket PATH` and point PEERD_SOCKET at it"
+        )
+    if given("socket_dir_mode") is ParameterSource.DEFAULT:
+        settings = replace(settings, socket_dir_mode=0o700)  # only the caller may enter
+    sys.exit(launch(settings, command))
+
+
+def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
+    """One request to the daemon; exits EXIT_UNREACHABLE when none answers, 1 when it refuses."""
     from peerd_client.connection import Connection
-    from peerd_client.errors import MonoUnsupported
+    from peerd_client.errors import DaemonUnavailable, MonoUnsupported
 
     try:
         conn = Connection(socket_path)
-        try:
-            return conn.call(op, {})
-        finally:
-            conn.close()
-    except (MonoUnsupported, ValueError) as err:
+    except (DaemonUnavailable, ValueError) as err:
         click.echo(f"peerd: unreachable: {err}", err=True)
         sys.exit(EXIT_UNREACHABLE)
+    try:
+        return conn.call(op, body or {})
+    except DaemonUnavailable as err:
+        click.echo(f"peerd: unreachable: {err}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except MonoUnsupported as err:
+        click.echo(f"peerd: {op} refused ({err.code}): {err}", err=True)
+        sys.exit(1)
+    finally:
+        conn.close()
 
 
 def _size(n: int) -> str:
@@ -160,3 +181,30 @@ def selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, time
     from .selftest import run_selftest
 
     sys.exit(run_selftest(socket_path, ranks, nbytes, device, timeout))
+
+
+@main.command()
+@_socket_option
+@click.argument("group")
+@click.option("--name", default=None, help="Only this buffer set of the group (default: all of them).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def evict(socket_path: str, group: str, name: str | None, yes: bool) -> None:
+    """Free a stuck group's memory by force (root or the daemon's user only).
+
+    Its holders are not asked: any kernel of theirs still polling the memory
+    will touch freed memory. Use it for a group stuck behind processes that
+    will not let go, after stopping them if you can.
+    """
+    sets = [g for g in _ask(socket_path, "ls")["groups"]
+            if g["group"] == group and (name is None or g["name"] == name)]
+    if not sets:
+        click.echo(f"peerd: no buffer set of group {group!r}" + (f" named {name!r}" if name else ""), err=True)
+        sys.exit(1)
+    for g in sets:
+        pids = ", ".join(str(g["pids"][str(r)]) for r in g["held"]) or "none"
+        click.echo(f"WARNING: group={g['group']} name={g['name']} ({g['state']}) is held by pids {pids}; "
+                   "kernels of those processes may still touch its memory after it is freed.", err=True)
+    if not yes:
+        click.confirm("Evict and free it now?", abort=True, err=True)
+    for entry in _ask(socket_path, "evict", {"group": group, "name": name})["evicted"]:
+        click.echo(f"evicted group={entry['group']} name={entry['name']}")

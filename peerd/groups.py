@@ -53,6 +53,15 @@ def _fail(caller: Caller, code: ErrorCode, message: str) -> Send:
     return Send(caller, error=ProtocolError(code, message))
 
 
+def _same_owner(owner: int | None, uid: int | None) -> bool:
+    """Ranks of one group run as one user; root may join anyone's (it can read their memory anyway)."""
+    return owner is None or uid is None or uid == 0 or uid == owner
+
+
+def _foreign(caller: Caller, uid: int | None, owner: int | None, label: str) -> Send:
+    return _fail(caller, ErrorCode.FORBIDDEN, f"{label} belongs to uid {owner}; uid {uid} may not join it")
+
+
 @dataclass(frozen=True)
 class Allocation:
     """What a backend returns for one rank's buffer; opaque ``token`` is its own."""
@@ -64,8 +73,19 @@ class Allocation:
     token: Any = None
 
 
-Allocate = Callable[[int, str, int], Allocation]  # (nbytes, device, flags)
+Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
 Free = Callable[[Allocation], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one caller may take; None is no limit. Checked before any allocation."""
+
+    max_buffer_bytes: int | None = 16 << 30
+    max_bytes_per_uid: int | None = None
+    max_bytes_per_device: int | None = None
+    max_groups: int | None = 4096
+    max_ranks: int | None = 1024
 
 
 class State(str, enum.Enum):
@@ -118,6 +138,7 @@ class Agreement:
 
     group: str
     npes: int
+    owner_uid: int | None
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid that votes for it
     calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
     rounds: dict[int, Round] = field(default_factory=dict)
@@ -155,6 +176,7 @@ class Agreement:
 class Slot:
     rank: int
     pid: int
+    uid: int | None
     device: str
     allocation: Allocation | None
     joined_at: float
@@ -172,6 +194,7 @@ class BufferSet:
     nbytes: int
     flags: int
     created: float
+    owner_uid: int | None  # every rank must run as this uid (root excepted)
     state: State = State.JOINING
     slots: dict[int, Slot] = field(default_factory=dict)
     commit: Round | None = None
@@ -202,11 +225,15 @@ class Registry:
         free: Free,
         rendezvous_timeout: float = 60.0,
         agreement_timeout: float = 60.0,
+        limits: Limits = Limits(),
     ):
         self._allocate = allocate
         self._free = free
         self.rendezvous_timeout = rendezvous_timeout
         self.agreement_timeout = agreement_timeout
+        self.limits = limits
+        self.bytes_by_uid: dict[int | None, int] = {}
+        self.bytes_by_device: dict[str, int] = {}
         self.sets: dict[tuple[str, str], BufferSet] = {}  # the current set of each key
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
         self.agreements: dict[str, Agreement] = {}
@@ -232,13 +259,18 @@ class Registry:
 
     # ------------------------------------------------------------ buffer sets
 
-    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
         key = (req["group"], req["name"])
         rank, npes = req["rank"], req["npes"]
         timeout = req["timeout"] or self.rendezvous_timeout
         if rank >= npes:
             return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        refusal = self._shape_limits(req)
+        if refusal:
+            return [_fail(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
         bset = self.sets.get(key)
+        if bset is not None and not _same_owner(bset.owner_uid, uid):
+            return [_foreign(caller, uid, bset.owner_uid, bset.label)]
         if bset is not None and bset.state is State.FAILED and not bset.holders():
             bset.told.add(rank)
             out = [Send(caller, error=bset.failure)]
@@ -259,11 +291,18 @@ class Registry:
             self._retire(bset)
             bset = None
         if bset is None:
-            bset = BufferSet(next(self._ids), key[0], key[1], npes, req["nbytes"], req["flags"], now)
+            limit = self.limits.max_groups
+            if limit is not None and sum(b.state is not State.FAILED or bool(b.holders()) for b in self.all_sets()) >= limit:
+                return [
+                    _fail(caller, ErrorCode.LIMIT_EXCEEDED, f"the daemon already holds {limit} buffer sets "
+                          f"(--max-groups {limit}); a new group={key[0]} name={key[1]} must wait for one to be freed")
+                ]
+            bset = BufferSet(next(self._ids), key[0], key[1], npes, req["nbytes"], req["flags"], now, uid)
             self.sets[key] = bset
         else:
             problem = self._mismatch(bset, req)
             if problem:
+                bset.told.add(rank)
                 return self._fail_set(bset, ErrorCode.MISMATCH, problem, [caller])
             taken = bset.slots.get(rank)
             if taken is not None:
@@ -274,12 +313,17 @@ class Registry:
                         f"rank {rank} of {bset.label} was already joined by pid {taken.pid}",
                     )
                 ]
+        refusal = self._usage_limits(bset.nbytes, uid, req["device"])
+        if refusal:
+            bset.told.add(rank)
+            return self._fail_set(bset, ErrorCode.LIMIT_EXCEEDED, f"rank {rank} (pid {pid}): {refusal}", [caller])
         try:
-            allocation = self._allocate(bset.nbytes, req["device"], bset.flags)
+            allocation = self._allocate(bset.nbytes, req["device"], bset.flags, bset.owner_uid)
         except ProtocolError as err:
-            message = f"rank {rank} (pid {pid}): {err.message}"
-            return self._fail_set(bset, err.code, message, [caller])
-        bset.slots[rank] = Slot(rank, pid, req["device"], allocation, now, waiter=caller)
+            bset.told.add(rank)
+            return self._fail_set(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller])
+        self._account(uid, allocation.device, allocation.size)
+        bset.slots[rank] = Slot(rank, pid, uid, req["device"], allocation, now, waiter=caller)
         log.info(
             "%s rank=%d pid=%d joined (%d/%d) device=%s",
             bset.label, rank, pid, len(bset.slots), npes, req["device"],
@@ -288,6 +332,36 @@ class Registry:
             self._at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t))
             return []
         return self._open(bset, now)
+
+    def _shape_limits(self, req: dict[str, Any]) -> str | None:
+        """A request too big whoever asks: more ranks or a bigger buffer than allowed."""
+        lim = self.limits
+        if lim.max_ranks is not None and req["npes"] > lim.max_ranks:
+            return f"npes={req['npes']} exceeds the daemon's limit of {lim.max_ranks} ranks per group (--max-ranks)"
+        if lim.max_buffer_bytes is not None and req["nbytes"] > lim.max_buffer_bytes:
+            return (f"nbytes={req['nbytes']} exceeds the daemon's limit of {lim.max_buffer_bytes} bytes "
+                    "per buffer (--max-buffer-bytes)")
+        return None
+
+    def _usage_limits(self, nbytes: int, uid: int | None, device: str) -> str | None:
+        """A request that would take one uid or one device past its share."""
+        lim = self.limits
+        held = self.bytes_by_uid.get(uid, 0)
+        if lim.max_bytes_per_uid is not None and held + nbytes > lim.max_bytes_per_uid:
+            return (f"uid {uid} holds {held} bytes and asks for {nbytes} more, over its limit of "
+                    f"{lim.max_bytes_per_uid} bytes (--max-bytes-per-uid)")
+        held = self.bytes_by_device.get(device, 0)
+        if lim.max_bytes_per_device is not None and held + nbytes > lim.max_bytes_per_device:
+            return (f"device {device} holds {held} bytes and {nbytes} more were asked, over its limit of "
+                    f"{lim.max_bytes_per_device} bytes (--max-bytes-per-device)")
+        return None
+
+    def _account(self, uid: int | None, device: str, size: int) -> None:
+        self.bytes_by_uid[uid] = self.bytes_by_uid.get(uid, 0) + size
+        self.bytes_by_device[device] = self.bytes_by_device.get(device, 0) + size
+        for table, key in ((self.bytes_by_uid, uid), (self.bytes_by_device, device)):
+            if table[key] == 0:
+                del table[key]
 
     @staticmethod
     def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
@@ -434,6 +508,7 @@ class Registry:
         for s in bset.slots.values():
             if s.allocation is not None:
                 allocation, s.allocation = s.allocation, None
+                self._account(s.uid, allocation.device, -allocation.size)
                 self._free(allocation)
         log.info("%s freed", bset.label)
 
@@ -452,11 +527,13 @@ class Registry:
 
     # ------------------------------------------------------------ tp_agree
 
-    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
+    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
         group, rank, npes = req["group"], req["rank"], req["npes"]
         if rank >= npes:
             return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
         agreement = self.agreements.get(group)
+        if agreement is not None and not _same_owner(agreement.owner_uid, uid):
+            return [_foreign(caller, uid, agreement.owner_uid, f"group={group}")]
         out: Outbox = []
         if agreement is not None and agreement.dead.get(rank, pid) != pid:
             # a new process takes a dead rank's place: the old rounds are over
@@ -466,7 +543,7 @@ class Registry:
                     out += rnd.finish(False, reason)
             agreement = None
         if agreement is None:
-            agreement = self.agreements[group] = Agreement(group, npes)
+            agreement = self.agreements[group] = Agreement(group, npes, uid)
             # ranks of this group that died holding a buffer set are members too
             for bset in self.all_sets():
                 for slot in bset.slots.values():
@@ -524,6 +601,37 @@ class Registry:
         agreement.collect()
         if agreement.finished() and self.agreements.get(agreement.group) is agreement:
             del self.agreements[agreement.group]
+
+    # ------------------------------------------------------------ eviction
+
+    def evict(self, group: str, name: str | None) -> tuple[Outbox, list[dict[str, Any]]]:
+        """Free a group's buffer sets by force, whoever holds them; fail its waits.
+
+        The holders' kernels may still touch the memory: an operator's last
+        resort for a group stuck behind a process that will not let go.
+        """
+        out: Outbox = []
+        evicted = []
+        for bset in self.all_sets():
+            if bset.group != group or (name is not None and bset.name != name):
+                continue
+            holders = {str(s.rank): s.pid for s in bset.holders()}
+            message = f"{bset.label} was evicted by an administrator"
+            out += self._fail_set(bset, ErrorCode.GROUP_FAILED, message)
+            for slot in bset.slots.values():
+                slot.held = False
+            self._free_set(bset)
+            self._forget(bset)
+            self.sets.pop((bset.group, bset.name), None)
+            log.warning("%s evicted; pids %s held it and may still touch the freed memory",
+                        bset.label, sorted(holders.values()))
+            evicted.append({"group": bset.group, "name": bset.name, "holders": holders})
+        agreement = self.agreements.pop(group, None)
+        if agreement is not None:
+            for rnd in agreement.rounds.values():
+                if rnd.result is None:
+                    out += rnd.finish(False, f"group={group} was evicted by an administrator")
+        return out, evicted
 
     # ------------------------------------------------------------ liveness and shutdown
 

@@ -55,6 +55,8 @@ class ErrorCode(str, enum.Enum):
     NOT_MEMBER = "NOT_MEMBER"  # the rank belongs to another process
     ALLOCATION_FAILED = "ALLOCATION_FAILED"
     DEVICE_UNKNOWN = "DEVICE_UNKNOWN"  # the daemon serves no device of that identity
+    FORBIDDEN = "FORBIDDEN"  # the caller's uid or gid is not allowed, or the group is another user's
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"  # a configured limit would be passed; the message names it
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
 
@@ -156,6 +158,11 @@ OPS: dict[str, dict[str, Field]] = {
         "ok": Field(bool),
         "timeout": _TIMEOUT,
     },
+    # Free a stuck group by force (root or the daemon's uid); name None: every set of it.
+    "evict": {
+        "group": _GROUP,
+        "name": Field((str, type(None)), lambda v: None if v is None else _key(v), None),
+    },
     # First call of every connection: proves the daemon answers, gives its defaults.
     "hello": {},
     "status": {},
@@ -215,11 +222,9 @@ def _pack(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def _unpack(frame: bytes) -> Any:
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}"
-        )
+def _unpack(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Any:
+    if len(frame) > max_bytes:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
         return msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as err:
@@ -239,9 +244,9 @@ def request_id_of(message: Any) -> int | None:
     return None
 
 
-def decode_request(frame: bytes) -> Request:
+def decode_request(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Request:
     """A validated request, or ProtocolError saying what is wrong with the frame."""
-    message = _unpack(frame)
+    message = _unpack(frame, max_bytes)
     if not isinstance(message, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "message must be a map")
     rid = request_id_of(message)

@@ -17,23 +17,26 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgpack
 import zmq
 
 from . import __version__
+from .access import Allowlist, prepare_socket_dir, resolve_group, secure_socket
 from .backends import MemoryBackend
 from .groups import Allocation, Outbox, Registry, Send
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
 from .paths import endpoint, lock_path
 from .protocol import (
-    MAX_FRAME_BYTES,
     VERSION,
     ErrorCode,
     ProtocolError,
     decode_request,
     encode_error,
     encode_reply,
+    request_id_of,
 )
+from .settings import Settings
 
 log = logging.getLogger("peerd.server")
 
@@ -60,25 +63,28 @@ def credentials(frame: zmq.Frame) -> Credentials | None:
 
 
 class Daemon:
-    def __init__(
-        self,
-        socket_path: str,
-        backend: MemoryBackend,
-        rendezvous_timeout: float = 60.0,
-        agreement_timeout: float = 60.0,
-    ):
-        self.socket_path = socket_path
+    def __init__(self, settings: Settings, backend: MemoryBackend):
+        self.settings = settings
+        self.socket_path = settings.socket
         self.backend = backend
-        self.registry = Registry(self._allocate, backend.free, rendezvous_timeout, agreement_timeout)
+        self.registry = Registry(
+            self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits
+        )
+        self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
+        self.allowlist = Allowlist.build(
+            settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
+        )
         self.started = time.monotonic()
-        self._lock = SocketLock(lock_path(socket_path))
+        self._lock = SocketLock(lock_path(self.socket_path))
         self._watcher = PidWatcher()
         self._stopping = False
+        self._refused: set[bytes] = set()  # connections already logged as refused
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
-            "join": self._stateful(self.registry.join),
+            "join": self._stateful(self.registry.join, owned=True),
             "commit": self._stateful(self.registry.commit),
             "release": self._stateful(self.registry.release),
-            "agree": self._stateful(self.registry.agree),
+            "agree": self._stateful(self.registry.agree, owned=True),
+            "evict": self._evict,
             "hello": self._immediate(self._hello),
             "status": self._immediate(self._status),
             "ls": self._immediate(lambda: {"groups": self.registry.listing(time.monotonic())}),
@@ -88,7 +94,7 @@ class Daemon:
 
     def bind(self) -> None:
         """Take the lock, then the socket: refuse rather than steal a live daemon's."""
-        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        prepare_socket_dir(os.path.dirname(self.socket_path), self.settings.socket_dir_mode, self.socket_gid)
         self._lock.acquire()
         if os.path.exists(self.socket_path):
             log.warning("removing stale socket %s left by a daemon that is gone", self.socket_path)
@@ -96,14 +102,15 @@ class Daemon:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         self._router.bind(endpoint(self.socket_path))
+        secure_socket(self.socket_path, self.socket_gid)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         log.info(
-            "peerd %s serving %s with the %s backend (pid %d)",
-            __version__, self.socket_path, self.backend.name, os.getpid(),
+            "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
+            __version__, self.socket_path, self.backend.name, os.getpid(), self.allowlist.describe(),
         )
 
     def request_stop(self, *_: Any) -> None:
@@ -185,8 +192,10 @@ class Daemon:
         if who is None:
             log.warning("dropped a message without kernel credentials (not an ipc peer?)")
             return []
+        if not self.allowlist.allows(who.uid, who.gid, who.pid):
+            return self._refuse(identity, who, payload.bytes)
         try:
-            request = decode_request(payload.bytes)
+            request = decode_request(payload.bytes, self.settings.max_message_bytes)
         except ProtocolError as err:
             log.warning("pid %d sent a bad request: %s", who.pid, err)
             return [Send((identity, err.request_id), error=err)]
@@ -211,24 +220,56 @@ class Daemon:
 
     # ------------------------------------------------------------ handlers
 
-    def _stateful(self, method: Callable[..., Outbox]) -> Callable[[Any, Credentials, dict], Outbox]:
-        """A registry op: watch the caller's pid first, so its death is seen."""
+    def _refuse(self, identity: bytes, who: Credentials, frame: bytes) -> Outbox:
+        """A caller outside the allowlist: a coded refusal, nothing else; logged once per connection."""
+        if identity not in self._refused:
+            if len(self._refused) > 10_000:
+                self._refused.clear()
+            self._refused.add(identity)
+            log.warning("refused pid %d (uid %d, gid %d): not in the allowlist", who.pid, who.uid, who.gid)
+        try:
+            request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
+        except Exception:  # whatever it sent, the answer is the same
+            request_id = None
+        error = ProtocolError(
+            ErrorCode.FORBIDDEN,
+            f"uid {who.uid} (gid {who.gid}) may not use this peerd; the operator can allow it "
+            "with --allow-uid or --allow-gid",
+        )
+        return [Send((identity, request_id), error=error)]
+
+    def _stateful(self, method: Callable[..., Outbox], owned: bool = False) -> Callable[[Any, Credentials, dict], Outbox]:
+        """A registry op: watch the caller's pid first, so its death is seen.
+
+        ``owned`` ops create groups, which belong to the caller's uid.
+        """
 
         def handle(caller: Any, who: Credentials, body: dict) -> Outbox:
             fd = self._watcher.watch(who.pid)
             if fd is not None:
                 self._poller.register(fd, zmq.POLLIN)
+            if owned:
+                return method(caller, who.pid, body, time.monotonic(), uid=who.uid)
             return method(caller, who.pid, body, time.monotonic())
 
         return handle
+
+    def _evict(self, caller: Any, who: Credentials, body: dict) -> Outbox:
+        """Free a stuck group by force: root or the daemon's own uid only."""
+        if who.uid not in (0, os.geteuid()):
+            return [Send(caller, error=ProtocolError(
+                ErrorCode.FORBIDDEN, f"only root or uid {os.geteuid()} may evict; uid {who.uid} may not"))]
+        log.warning("pid %d (uid %d) evicts group=%s name=%s", who.pid, who.uid, body["group"], body["name"] or "*")
+        out, evicted = self.registry.evict(body["group"], body["name"])
+        return out + [Send(caller, {"evicted": evicted})]
 
     @staticmethod
     def _immediate(build: Callable[[], dict]) -> Callable[[Any, Credentials, dict], Outbox]:
         return lambda caller, who, body: [Send(caller, build())]
 
-    def _allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+    def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         try:
-            return self.backend.allocate(nbytes, device, flags)
+            return self.backend.allocate(nbytes, device, flags, uid)
         except ProtocolError:
             raise
         except Exception as err:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import sys
 import time
 
@@ -134,6 +135,13 @@ def cache(args) -> dict:
             "mapped_after_close": len(mappings)}
 
 
+def call(args) -> dict:
+    """One raw request through the client's connection: --op and --body (JSON)."""
+    from peerd_client.connection import connection
+
+    return {"reply": connection().call(args.op, json.loads(args.body))}
+
+
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
 
 
@@ -143,9 +151,10 @@ def chaos(args) -> dict:
     in_rendezvous is the test's to kill (it waits for the join to be logged);
     in_agreement dies while its peers already wait in tp_agree.
     """
-    import os
     import signal
     import threading
+
+    import torch  # noqa: F401  (imported here so its start-up is not timed below)
 
     import peerd_client.buffer as buffer_module
     from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
@@ -194,7 +203,6 @@ def restart(args) -> dict:
 
 def forked(args) -> dict:
     """A forked child must not use its parent's buffer, and may open its own connection."""
-    import os
 
     from peerd_client import ForkedProcessError, PeerBuffer, tp_agree
 
@@ -226,8 +234,70 @@ def forked(args) -> dict:
     return {"child": child_says, "child_status": status, "agreed": agreed, "pointers": pointers}
 
 
+def _where() -> dict:
+    """The daemon this process reaches, for a test that runs it under `peerd run`."""
+    import os
+
+    from peerd_client.connection import connection
+
+    return {"socket": os.environ["PEERD_SOCKET"], "daemon": connection().hello["pid"], "pid": os.getpid()}
+
+
+def job(args) -> dict:
+    """A job's own launcher, as torchrun is: start --npes `exchange` ranks and collect their results.
+
+    Under `peerd run`, every rank finds the job's daemon through the PEERD_SOCKET it inherits.
+    """
+    import subprocess
+
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, __file__, "exchange", "--rank", str(r), "--npes", str(args.npes), "--group", args.group],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(args.npes)
+    ]
+    return {**_where(), "ranks": [json.loads(p.communicate()[0].splitlines()[-1]) for p in ranks]}
+
+
+def held(args) -> dict:
+    """Hold a buffer set, print READY and where its daemon is, then call again after a line on stdin.
+
+    Meanwhile the test kills this process, its `peerd run` or its daemon.
+    """
+    from peerd_client import DaemonUnavailable, PeerBuffer, tp_agree
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    print("READY " + json.dumps(_where()), flush=True)
+    sys.stdin.readline()
+    try:
+        tp_agree(True, args.group)
+        after = "no error"
+    except DaemonUnavailable as err:
+        after = str(err)
+    buf.close()
+    return {"after": after}
+
+
+def signals(args) -> dict:
+    """Print READY, then report every SIGINT, SIGTERM and SIGHUP that arrives within 0.5 s of the first."""
+    import signal
+
+    received: list[int] = []
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda signum, _: received.append(signum))
+    print("READY", flush=True)
+    deadline = time.monotonic() + 30
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    return {"received": [signal.Signals(s).name for s in received]}
+
+
 SCENARIOS = {
     "cache": cache,
+    "call": call,
     "chaos": chaos,
     "restart": restart,
     "forked": forked,
@@ -237,7 +307,26 @@ SCENARIOS = {
     "process_group": process_group,
     "dropped": dropped,
     "no_torch": no_torch,
+    "job": job,
+    "held": held,
+    "signals": signals,
 }
+
+
+def become(spec: str) -> None:
+    """Drop root for another user, after importing what the scenarios need (the
+    interpreter's own files may be unreadable to that user): the kernel then
+    reports that uid on the daemon connection, opened only at the first call."""
+    import torch  # noqa: F401
+    import zmq.utils.monitor  # noqa: F401
+
+    import peerd_client  # noqa: F401
+    import peerd_client.connection  # noqa: F401
+
+    uid, gid, *extra = spec.split(":")
+    os.setgroups([int(g) for g in extra[0].split(",")] if extra and extra[0] else [])
+    os.setgid(int(gid))
+    os.setuid(int(uid))
 
 
 def main() -> None:
@@ -253,7 +342,12 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--store", default="")
     parser.add_argument("--die-at", choices=STEPS, default=None)
+    parser.add_argument("--op", default="ls")
+    parser.add_argument("--body", default="{}")
+    parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it before any call")
     args = parser.parse_args()
+    if args.as_user:
+        become(args.as_user)
     try:
         out = {"ok": True, **SCENARIOS[args.scenario](args)}
     except Exception as err:

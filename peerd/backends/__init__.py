@@ -54,8 +54,8 @@ class MemoryBackend(ABC):
         """Each device served: identity, name, memory, the daemon's footprint."""
 
     @abstractmethod
-    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
-        """A zero-filled buffer of at least nbytes; ProtocolError when impossible."""
+    def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+        """A zero-filled buffer of at least nbytes for processes of ``uid``; ProtocolError when impossible."""
 
     @abstractmethod
     def free(self, allocation: Allocation) -> None:

@@ -174,7 +174,7 @@ class Memory(MemoryBackend):
     def devices(self) -> list[dict]:
         return [dict(d) for d in self._devices]
 
-    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+    def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         ordinal = self._ordinal.get(device)
         if ordinal is None:
             raise self.unknown_device(device)

@@ -68,7 +68,7 @@ class Memory(MemoryBackend):
             }
         ]
 
-    def allocate(self, nbytes: int, device: str, flags: int) -> Allocation:
+    def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         if device != DEVICE:
             raise self.unknown_device(device)
         size = round_up(nbytes, mmap.PAGESIZE)
@@ -76,6 +76,8 @@ class Memory(MemoryBackend):
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            if uid is not None and uid != os.geteuid():
+                os.fchown(fd, uid, -1)  # 0600: the group's own user may map it, nobody else
             os.ftruncate(fd, size)  # zero-filled by the kernel
         except OSError as err:
             os.unlink(path)

@@ -101,7 +101,7 @@ def daemon_under(uuid: str) -> None:
     memory = backend.Memory()
     served = [d["uuid"] for d in memory.devices()]
     assert uuid in served, f"{uuid} not in {served}"
-    allocation = memory.allocate(1, uuid, 0)
+    allocation = memory.allocate(1, uuid, 0, None)
     memory.free(allocation)
     print(f"daemon: OK, serves {served}")
 
@@ -220,7 +220,7 @@ def parent() -> None:
     limit = check(cudart.cudaDeviceGetLimit(cudart.cudaLimit.cudaLimitStackSize), "cudaDeviceGetLimit")
     report(limit == backend.STACK_BYTES, "the daemon's context has the small stack limit", f"{limit} bytes")
 
-    allocation = memory.allocate(3 * MiB, uuid, 0)
+    allocation = memory.allocate(3 * MiB, uuid, 0, None)
     report(allocation.size == 4 * MiB, "3 MiB rounds up to 4 MiB", f"size {allocation.size}")
     report(len(allocation.handle) == 64 and allocation.handle != bytes(64), "handle is 64 non-zero bytes")
     _, pointer = allocation.token
@@ -243,21 +243,21 @@ def parent() -> None:
     report(child.returncode == 0, "daemon half under CUDA_VISIBLE_DEVICES=<uuid> serves the UUID",
            (child.stdout + child.stderr).strip()[-600:])
 
-    fine = memory.allocate(2 * MiB + 1, uuid, FLAG_FINE_GRAINED)
+    fine = memory.allocate(2 * MiB + 1, uuid, FLAG_FINE_GRAINED, None)
     report(fine.size == 4 * MiB, "fine-grained flag accepted (no-op on NVIDIA), 2 MiB + 1 -> 4 MiB", str(fine.size))
     memory.free(fine)
 
     try:
-        memory.allocate(MiB, "GPU-00000000-0000-0000-0000-000000000000", 0)
+        memory.allocate(MiB, "GPU-00000000-0000-0000-0000-000000000000", 0, None)
         report(False, "unknown UUID refused")
     except ProtocolError as err:
         report(err.code is ErrorCode.DEVICE_UNKNOWN, "unknown UUID refused", err.message)
     try:
-        memory.allocate(1 << 47, uuid, 0)
+        memory.allocate(1 << 47, uuid, 0, None)
         report(False, "128 TiB refused")
     except ProtocolError as err:
         report(err.code is ErrorCode.ALLOCATION_FAILED, "128 TiB refused with ALLOCATION_FAILED", err.message)
-    again = memory.allocate(MiB, uuid, 0)
+    again = memory.allocate(MiB, uuid, 0, None)
     report(again.size == 2 * MiB, "allocation works after an out-of-memory failure")
     memory.free(again)
 

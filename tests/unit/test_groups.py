@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.groups import Allocation, Registry, State
+from peerd.groups import Allocation, Limits, Registry, State
 from peerd.protocol import ErrorCode, ProtocolError
 
 
@@ -14,7 +14,7 @@ class FakeMemory:
         self.serial = 0
         self.fail_next = None
 
-    def allocate(self, nbytes, device, flags):
+    def allocate(self, nbytes, device, flags, uid):
         if self.fail_next:
             err, self.fail_next = self.fail_next, None
             raise err
@@ -99,18 +99,19 @@ def test_commit_all_true_goes_live_and_any_false_fails_every_rank(reg, mem):
     assert reg2.sets[("g", "n")].state is State.FAILED
 
 
-@pytest.mark.parametrize("field, value", [("npes", 3), ("nbytes", 128), ("flags", 1)])
+@pytest.mark.parametrize("field, value", [("npes", 4), ("nbytes", 128), ("flags", 1)])
 def test_mismatch_is_reported_to_every_rank_and_frees_memory(reg, mem, field, value):
-    join(reg, 0)
-    out = join(reg, 1, **{field: value})
+    join(reg, 0, npes=3)
+    out = join(reg, 1, **{"npes": 3, field: value})
     failed = errors(out)
     assert set(failed) == {("c", 0), ("c", 1)}
     for err in failed.values():
         assert err.code is ErrorCode.MISMATCH
         assert f"{field}={value} but rank 0 (pid 100) joined with {field}=" in err.message
     assert mem.live == {}
-    late = errors(join(reg, 1))
-    assert late[("c", 1)].code is ErrorCode.MISMATCH, "a late rank hears the same verdict, not a hang"
+    late = errors(join(reg, 2, npes=3))
+    assert late[("c", 2)].code is ErrorCode.MISMATCH, "a late rank hears the same verdict, not a hang"
+    assert reg.sets == {}, "once every rank heard the verdict it is forgotten"
 
 
 def test_rank_out_of_range_and_taken(reg):
@@ -288,6 +289,41 @@ def test_shutdown_fails_every_waiter_and_frees_everything(reg, mem):
     assert set(failed) == {("w", 0), ("a", 0)}
     assert {e.code for e in failed.values()} == {ErrorCode.SHUTTING_DOWN}
     assert mem.live == {} and reg.sets == {} and reg.agreements == {}
+
+
+def test_limits_refuse_before_allocating(mem):
+    limits = Limits(max_buffer_bytes=100, max_bytes_per_uid=150, max_bytes_per_device=None, max_groups=2, max_ranks=4)
+    reg = Registry(mem.allocate, mem.free, limits=limits)
+    assert "limit of 100 bytes per buffer" in errors(join(reg, 0, nbytes=101))[("c", 0)].message
+    assert "limit of 4 ranks per group" in errors(join(reg, 0, npes=5))[("c", 0)].message
+    body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    reg.join(("u", 0), 100, body, 0.0, uid=7)
+    reg.join(("u", 1), 101, {**body, "rank": 1}, 0.0, uid=7)
+    over = errors(reg.join(("u", 2), 102, {**body, "name": "m"}, 0.0, uid=7))[("u", 2)]
+    assert over.code is ErrorCode.LIMIT_EXCEEDED and "uid 7 holds 128 bytes and asks for 64 more" in over.message
+    assert len(mem.live) == 2
+    reg.join(("v", 0), 200, {**body, "name": "x"}, 0.0, uid=8)
+    third = errors(reg.join(("w", 0), 300, {**body, "name": "y"}, 0.0, uid=9))[("w", 0)]
+    assert "already holds 2 buffer sets" in third.message
+
+
+def test_a_group_belongs_to_the_uid_that_created_it(reg):
+    body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    reg.join(("a", 0), 100, body, 0.0, uid=1000)
+    other = errors(reg.join(("b", 1), 200, {**body, "rank": 1}, 0.0, uid=1001))[("b", 1)]
+    assert other.code is ErrorCode.FORBIDDEN and "belongs to uid 1000; uid 1001 may not join it" in other.message
+    assert reg.join(("r", 1), 300, {**body, "rank": 1}, 0.0, uid=0) != [], "root may join anyone's group"
+
+
+def test_evict_frees_held_memory_and_fails_waiters(reg, mem):
+    live_set(reg)
+    join(reg, 0, npes=2, pid=300, name="other")
+    agree(reg, 0, group="g")
+    out, evicted = reg.evict("g", None)
+    assert sorted(e["name"] for e in evicted) == ["n", "other"] and evicted[0]["holders"]
+    assert mem.live == {} and reg.sets == {} and reg.agreements == {}
+    assert errors(out)[("c", 0)].code is ErrorCode.GROUP_FAILED
+    assert bodies(out)[("a", 0)]["ok"] is False
 
 
 def test_listing_shows_state_ranks_and_pids(reg):

@@ -1,0 +1,203 @@
+"""Access control and limits, with a second real Unix user (CI runs as root)."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+
+USER, SOCKET_GROUP = "peerd-probe", "peerd-sock"
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a second user (CI runs as root)")
+
+
+@pytest.fixture(scope="module")
+def probe_user():
+    """A second user, member of the socket group: (uid, gid, socket gid). Removed afterwards."""
+    created = []
+    if not _exists(grp.getgrnam, SOCKET_GROUP):
+        subprocess.run(["groupadd", SOCKET_GROUP], check=True)
+        created.append(["groupdel", SOCKET_GROUP])
+    if not _exists(pwd.getpwnam, USER):
+        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+                        "--groups", SOCKET_GROUP, USER], check=True)
+        created.insert(0, ["userdel", USER])
+    user = pwd.getpwnam(USER)
+    yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
+    for command in created:
+        subprocess.run(command, check=False)
+
+
+def _exists(lookup, name) -> bool:
+    try:
+        lookup(name)
+        return True
+    except KeyError:
+        return False
+
+
+def as_user(user) -> tuple[str, str]:
+    uid, gid, sock_gid = user
+    return ("--as-user", f"{uid}:{gid}:{sock_gid}")
+
+
+def daemon_with(socket_dir: str, *args: str) -> Daemon:
+    return Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", args=args).start()
+
+
+def call(daemon, op, body, *extra, rank=0):
+    return run_ranks(daemon, "call", 1, "--op", op, "--body", json.dumps(body), *extra, ranks=[rank])[0]
+
+
+def test_socket_and_directory_modes_and_group(socket_dir, probe_user):
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
+    try:
+        directory, sock = os.stat(socket_dir), os.stat(d.socket)
+        assert stat.S_IMODE(directory.st_mode) == 0o750 and directory.st_gid == probe_user[2]
+        assert stat.S_IMODE(sock.st_mode) == 0o660 and sock.st_gid == probe_user[2]
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("setup, words", [
+    (lambda path: os.chown(path, 65534, 65534), "is owned by uid 65534, not by this daemon"),
+    (None, "is writable by other users"),
+])
+def test_refuses_a_socket_directory_others_could_write_to(socket_dir, setup, words):
+    target = os.path.join(socket_dir, "shared")
+    os.mkdir(target)
+    args = ["--socket", os.path.join(target, "peerd.sock")]
+    if setup:
+        setup(target)
+    else:
+        args += ["--socket-dir-mode", "0770"]
+    result = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", *args],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and words in result.stderr, result.stderr
+    assert not os.path.exists(os.path.join(target, "peerd.sock"))
+
+
+def test_the_allowlist_refuses_another_user_once_per_connection(socket_dir, probe_user):
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--allow-gid", "root")
+    try:
+        result = run_ranks(d, "agree", 1, "--group", "outsider", "--votes", "1,1,1", *as_user(probe_user))[0]
+        assert result["code"] == "FORBIDDEN" and f"uid {probe_user[0]}" in result["message"], result
+        again = run_ranks(d, "agree", 1, "--group", "outsider", "--votes", "1", *as_user(probe_user))[0]
+        assert again["code"] == "FORBIDDEN"
+        refusals = [line for line in d.logs().splitlines() if "not in the allowlist" in line]
+        assert len(refusals) == 2, "one log line per connection (two processes), not one per message"
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("allow", [(), ("--allow-uid", "PROBE")])
+def test_the_socket_group_or_an_allowed_uid_is_admitted(socket_dir, probe_user, allow):
+    allow = tuple(str(probe_user[0]) if a == "PROBE" else a for a in allow)
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, *allow)
+    try:
+        result = run_ranks(d, "exchange", 2, "--group", "guest", *as_user(probe_user))
+        assert all(r["ok"] for r in result), result
+        assert d.segments() == []
+    finally:
+        assert d.stop() == 0
+
+
+def test_another_process_cannot_take_fetch_vote_or_release_a_rank(socket_dir, probe_user):
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
+    try:
+        holders = [start_rank(d, "join", r, 2, "--group", "owned", "--hold", "60") for r in (0, 1)]
+        wait_until(lambda: "group=owned name=default live" in d.logs(), 30, "the set to go live")
+        slot = {"group": "owned", "name": "default", "rank": 0}
+        join = {**slot, "npes": 2, "nbytes": 65536, "device": "host"}
+        taken = call(d, "join", join)
+        assert taken["code"] == "RANK_TAKEN" and "reply" not in taken, "no handles to a non-member"
+        vote = call(d, "commit", {**slot, "ok": True})
+        assert vote["code"] == "NOT_MEMBER" and f"belongs to pid {holders[0].pid}" in vote["message"]
+        release = call(d, "release", slot)
+        assert release["code"] == "NOT_MEMBER"
+        (entry,) = json.loads(d.cli("ls", "--json").stdout)
+        assert entry["held"] == [0, 1] and entry["state"] == "live", "the group is untouched"
+
+        # a rendezvous and an agreement of root's, each waiting for rank 1
+        waiting = [start_rank(d, "join", 0, 2, "--group", "pending", "--hold", "60"),
+                   start_rank(d, "agree", 0, 2, "--group", "voting", "--votes", "1")]
+        wait_until(lambda: "group=pending name=default rank=0" in d.logs(), 30, "rank 0 to join")
+        intruder = call(d, "join", {**join, "group": "pending", "rank": 1}, *as_user(probe_user), rank=1)
+        assert intruder["code"] == "FORBIDDEN" and "belongs to uid 0" in intruder["message"], intruder
+        wait_until(lambda: call(d, "agree", {"group": "voting", "rank": 0, "npes": 2, "ok": True})["code"]
+                   == "NOT_MEMBER", 30, "rank 0's vote to register")
+        stolen = call(d, "agree", {"group": "voting", "rank": 1, "npes": 2, "ok": False}, *as_user(probe_user))
+        assert stolen["code"] == "FORBIDDEN" and "belongs to uid 0" in stolen["message"], stolen
+        for p in holders + waiting:
+            p.kill()
+    finally:
+        assert d.stop() == 0
+
+
+def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
+    d = daemon_with(socket_dir, "--max-buffer-bytes", "1MiB", "--max-ranks", "4", "--max-groups", "2",
+                    "--max-bytes-per-uid", "3MiB")
+    try:
+        big = run_ranks(d, "join", 2, "--group", "big", "--nbytes", str(2 * MiB), ranks=[0])[0]
+        assert big["code"] == "LIMIT_EXCEEDED"
+        assert "nbytes=2097152 exceeds the daemon's limit of 1048576 bytes per buffer" in big["message"]
+        wide = run_ranks(d, "join", 8, "--group", "wide", ranks=[0])[0]
+        assert wide["code"] == "LIMIT_EXCEEDED" and "npes=8 exceeds the daemon's limit of 4 ranks" in wide["message"]
+        holders = [start_rank(d, "join", r, 2, "--group", f"g{g}", "--nbytes", str(MiB), "--hold", "60")
+                   for g in (1,) for r in (0, 1)]
+        wait_until(lambda: "group=g1 name=default live" in d.logs(), 30, "g1 to go live")
+        late = [start_rank(d, "join", r, 2, "--group", "g2", "--nbytes", str(MiB), "--timeout", "5") for r in (0, 1)]
+        results = [finish(p) for p in late]
+        assert {r["code"] for r in results} == {"LIMIT_EXCEEDED"}, results
+        assert any("uid 0 holds 3145728 bytes and asks for 1048576 more, over its limit of 3145728" in r["message"]
+                   for r in results), results
+        assert len(d.segments()) == 2, "only g1 holds memory: nothing past the limit, g2 freed when it failed"
+        third = start_rank(d, "join", 0, 2, "--group", "g3", "--nbytes", "4096", "--hold", "60")
+        wait_until(lambda: "group=g3 name=default rank=0" in d.logs(), 30, "g3 to start")
+        over = run_ranks(d, "join", 2, "--group", "g4", "--nbytes", "4096", ranks=[0])[0]
+        assert over["code"] == "LIMIT_EXCEEDED" and "already holds 2 buffer sets (--max-groups 2)" in over["message"]
+        for p in holders + [third]:
+            p.kill()
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_device_limit(socket_dir):
+    d = daemon_with(socket_dir, "--max-bytes-per-device", "1MiB")
+    try:
+        results = run_ranks(d, "join", 2, "--group", "dev", "--nbytes", str(MiB // 2 + 1))
+        assert {r["code"] for r in results} == {"LIMIT_EXCEEDED"}
+        assert any("device host holds" in r["message"] and "over its limit of 1048576" in r["message"]
+                   for r in results)
+    finally:
+        assert d.stop() == 0
+
+
+def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, probe_user):
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
+    try:
+        holders = [start_rank(d, "join", r, 2, "--group", "stuck", "--hold", "10") for r in (0, 1)]
+        wait_until(lambda: "group=stuck name=default live" in d.logs(), 30, "the set to go live")
+        refused = call(d, "evict", {"group": "stuck"}, *as_user(probe_user))
+        assert refused["code"] == "FORBIDDEN" and "only root or uid" in refused["message"]
+        result = d.cli("evict", "stuck", "--yes")
+        assert result.returncode == 0, result.stderr
+        assert "WARNING" in result.stderr and str(holders[0].pid) in result.stderr
+        assert "evicted group=stuck name=default" in result.stdout
+        assert d.segments() == [] and json.loads(d.cli("ls", "--json").stdout) == []
+        assert "evicts group=stuck" in d.logs() and "may still touch the freed memory" in d.logs()
+        assert d.cli("evict", "stuck", "--yes").returncode == 1, "nothing left to evict"
+        for p in holders:  # they close when their hold ends, after the eviction
+            assert finish(p)["ok"], "a holder's late close after an eviction must not crash it"
+    finally:
+        assert d.stop() == 0
