@@ -33,7 +33,7 @@ def _socket_option(function):
         "--socket",
         "socket_path",
         default=default_socket,
-        show_default="$PEERD_SOCKET, else /run/peerd/peerd.sock (root), $XDG_RUNTIME_DIR/peerd or /tmp/peerd-$UID",
+        show_default="$PEERD_SOCKET, else /run/peerd/peerd.sock (root, or where it exists), $XDG_RUNTIME_DIR/peerd or /tmp/peerd-$UID",
         help="Path of the daemon's unix socket.",
     )(function)
 

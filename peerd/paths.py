@@ -9,13 +9,18 @@ from __future__ import annotations
 import os
 
 
+SYSTEM_SOCKET = "/run/peerd/peerd.sock"
+
+
 def default_socket() -> str:
-    """PEERD_SOCKET, else /run/peerd for root, else the user's runtime dir, else /tmp."""
+    """PEERD_SOCKET; else the system daemon's /run/peerd/peerd.sock for root, or for
+    anyone once it exists (a worker running as a user finds the node's daemon);
+    else the user's runtime dir; else /tmp."""
     explicit = os.environ.get("PEERD_SOCKET")
     if explicit:
         return explicit
-    if os.geteuid() == 0:
-        return "/run/peerd/peerd.sock"
+    if os.geteuid() == 0 or os.path.exists(SYSTEM_SOCKET):
+        return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "peerd", "peerd.sock")

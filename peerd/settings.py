@@ -71,7 +71,8 @@ _SECONDS = click.FloatRange(min=0, min_open=True)
 
 OPTIONS = (
     Option("socket", str, default_socket, "Path of the daemon's unix socket "
-           "[$PEERD_SOCKET, else /run/peerd/peerd.sock as root, else $XDG_RUNTIME_DIR/peerd or /tmp/peerd-$UID]."),
+           "[$PEERD_SOCKET, else /run/peerd/peerd.sock as root or where it exists, else $XDG_RUNTIME_DIR/peerd "
+           "or /tmp/peerd-$UID]."),
     Option("backend", click.Choice(["auto", "host", "cuda", "hip"]), "auto",
            "Memory backend; auto picks cuda, else hip, else host shared memory."),
     Option("log_level", click.Choice(["debug", "info", "warning", "error"]), "info", "Logging threshold."),
