@@ -1,7 +1,9 @@
 """The `peerd` command: serve, and ask a running daemon how it is.
 
-Exit codes of `status` and `ls`, for probes: 0 the daemon answered and is
-healthy; 3 no daemon answered (the one-line reason goes to stderr). 2 stays
+Exit codes of `status`, for probes: 0 the daemon answered and is healthy; 1
+it answered but is degraded (a device unusable, a group stuck past its
+timeouts, a limit nearly reached: the problems are listed); 3 no daemon
+answered (the one-line reason goes to stderr). `ls` exits 0 or 3. 2 stays
 click's usage error.
 """
 
@@ -19,6 +21,7 @@ from . import __version__
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
 
+EXIT_DEGRADED = 1
 EXIT_UNREACHABLE = 3
 
 
@@ -56,8 +59,9 @@ def serve(settings: Settings) -> None:
     _setup_logging(settings.log_level)
     try:
         settings = replace(settings, socket=check_socket_path(settings.socket))
-        Daemon(settings, memory_backend(settings.backend)).serve()
-    except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError) as err:
+        loader = click.get_current_context().meta["peerd.loader"]
+        Daemon(settings, memory_backend(settings.backend), loader).serve()
+    except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError, RuntimeError) as err:
         raise click.ClickException(str(err)) from None
 
 
@@ -85,6 +89,24 @@ def run(settings: Settings, command: tuple[str, ...]) -> None:
     if given("socket_dir_mode") is ParameterSource.DEFAULT:
         settings = replace(settings, socket_dir_mode=0o700)  # only the caller may enter
     sys.exit(launch(settings, command))
+
+
+@main.command()
+@serve_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def config(settings: Settings, as_json: bool) -> None:
+    """Print the configuration `peerd serve` would run with, and where each value came from."""
+    from .settings import settings_table
+
+    loader = click.get_current_context().meta["peerd.loader"]
+    rows = settings_table(settings, loader.load()[1])
+    if as_json:
+        click.echo(json.dumps({key: {"value": value, "source": source} for key, value, source in rows}, indent=2))
+        return
+    width = max(len(key) for key, _, _ in rows)
+    value_width = max(len(value) for _, value, _ in rows)
+    for key, value, source in rows:
+        click.echo(f"{key.ljust(width)}  {value.ljust(value_width)}  # {source}")
 
 
 def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
@@ -121,12 +143,16 @@ def _size(n: int) -> str:
 @_socket_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(socket_path: str, as_json: bool) -> None:
-    """Is the daemon up, and what does it serve? Exit 0 if it answers, 3 if not."""
+    """Is the daemon up, and how is it? Exit 0 healthy, 1 degraded, 3 unreachable."""
     info = _ask(socket_path, "status")
+    code = EXIT_DEGRADED if info["health"] != "healthy" else 0
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
-        return
-    click.echo(f"peerd {info['version']} (pid {info['pid']}) serving {info['socket']}: healthy")
+        sys.exit(code)
+    click.echo(f"peerd {info['version']} (pid {info['pid']}) serving {info['socket']}: {info['health']}"
+               + (" (draining)" if info["draining"] else ""))
+    for problem in info["problems"]:
+        click.echo(f"  problem: {problem}")
     click.echo(
         f"backend {info['backend']}, up {info['uptime_s']:.0f}s, {info['groups']} buffer set(s), "
         f"{info['ranks_held']} rank(s) held, {_size(info['bytes_allocated'])} allocated, "
@@ -138,6 +164,7 @@ def status(socket_path: str, as_json: bool) -> None:
             f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {_size(d['total_bytes'])} total, "
             f"daemon footprint {_size(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
+    sys.exit(code)
 
 
 @main.command(name="ls")

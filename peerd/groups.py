@@ -232,6 +232,7 @@ class Registry:
         self.rendezvous_timeout = rendezvous_timeout
         self.agreement_timeout = agreement_timeout
         self.limits = limits
+        self.rank_deaths = 0  # processes that died holding a rank of a buffer set
         self.bytes_by_uid: dict[int | None, int] = {}
         self.bytes_by_device: dict[str, int] = {}
         self.sets: dict[tuple[str, str], BufferSet] = {}  # the current set of each key
@@ -643,6 +644,8 @@ class Registry:
             for slot in list(bset.slots.values()):
                 if slot.pid != pid or not slot.held:
                     continue
+                if not ranks:
+                    self.rank_deaths += 1
                 ranks.add((bset.group, slot.rank))
                 slot.dead = True
                 message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
@@ -672,6 +675,18 @@ class Registry:
                 out += rnd.finish(False, self._deaths(agreement, [rank]))
         self._collect(agreement)
         return out
+
+    def drain(self) -> Outbox:
+        """The daemon is stopping: fail every rendezvous still waiting; live sets may finish."""
+        out: Outbox = []
+        for bset in self.all_sets():
+            if bset.state is State.JOINING:
+                out += self._fail_set(bset, ErrorCode.SHUTTING_DOWN, f"{bset.label}: the peerd daemon is shutting down")
+        return out
+
+    def held(self) -> int:
+        """Buffer sets some rank still holds."""
+        return sum(1 for b in self.all_sets() if b.holders())
 
     def shutdown(self) -> Outbox:
         """Fail every wait, free every buffer: the daemon is going away."""

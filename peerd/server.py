@@ -9,12 +9,13 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import msgpack
@@ -22,10 +23,13 @@ import zmq
 
 from . import __version__
 from .access import Allowlist, prepare_socket_dir, resolve_group, secure_socket
+from .health import problems
 from .backends import MemoryBackend
 from .groups import Allocation, Outbox, Registry, Send
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
+from .metrics import Metrics
+from .notify import Notifier
 from .paths import endpoint, lock_path
 from .protocol import (
     VERSION,
@@ -36,7 +40,13 @@ from .protocol import (
     encode_reply,
     request_id_of,
 )
-from .settings import Settings
+from .settings import Loader, Settings
+
+#: seconds between STATUS= refreshes (and at most between watchdog pings)
+TICK_S = 1.0
+
+#: settings a SIGHUP cannot change in a running daemon
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "max_message_bytes")
 
 log = logging.getLogger("peerd.server")
 
@@ -63,8 +73,9 @@ def credentials(frame: zmq.Frame) -> Credentials | None:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, backend: MemoryBackend):
+    def __init__(self, settings: Settings, backend: MemoryBackend, loader: Loader | None = None):
         self.settings = settings
+        self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
         self.backend = backend
         self.registry = Registry(
@@ -78,6 +89,11 @@ class Daemon:
         self._lock = SocketLock(lock_path(self.socket_path))
         self._watcher = PidWatcher()
         self._stopping = False
+        self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
+        self._signals: list[int] = []
+        self._notifier = Notifier()
+        self._next_tick = 0.0
+        self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
             "join": self._stateful(self.registry.join, owned=True),
@@ -108,18 +124,23 @@ class Daemon:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        if self.settings.metrics_port:
+            self.metrics = Metrics(self.settings.metrics_port, self.registry)
+            log.info("metrics on http://127.0.0.1:%d/metrics", self.settings.metrics_port)
         log.info(
             "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
             __version__, self.socket_path, self.backend.name, os.getpid(), self.allowlist.describe(),
         )
+        self._notifier.ready(self._summary())
 
-    def request_stop(self, *_: Any) -> None:
-        self._stopping = True
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self._signals.append(signum)  # handled by the loop, between two messages
 
     def serve(self) -> None:
-        """Serve until SIGTERM or SIGINT, then free everything and remove the socket."""
+        """Serve until SIGTERM or SIGINT, drain, then free everything and remove the socket."""
         self.bind()
-        previous = {s: signal.signal(s, self.request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
         old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
         try:
             self._loop()
@@ -129,9 +150,66 @@ class Daemon:
                 signal.signal(s, handler)
             self.shutdown()
 
+    def _handle_signals(self, now: float) -> Outbox:
+        out: Outbox = []
+        signals, self._signals = self._signals, []
+        for signum in signals:
+            if signum == signal.SIGHUP:
+                self._reload()
+            elif self._drain_until is None:
+                grace = self.settings.shutdown_grace
+                self._drain_until = now + grace
+                log.info("%s: draining: no new joins; waiting up to %gs for live groups to be released",
+                         signal.Signals(signum).name, grace)
+                self._notifier.stopping(f"draining: {self._summary()}")
+                out += self.registry.drain()
+            else:
+                log.info("%s again: stopping now", signal.Signals(signum).name)
+                self._stopping = True
+        return out
+
+    def _reload(self) -> None:
+        """SIGHUP: read the settings again; apply the allowlist, log level, limits and timeouts.
+
+        The socket, its group and mode, the backend and the metrics port stay
+        as they are until a restart (the log says which changed).
+        """
+        if self._loader is None:
+            log.warning("SIGHUP ignored: this daemon was not started with reloadable settings")
+            return
+        self._notifier.reloading()
+        try:
+            fresh, _ = self._loader.load()
+        except Exception as err:  # a bad file must not take a serving daemon down
+            log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", err)
+            self._notifier.reloaded(self._summary())
+            return
+        self.allowlist = Allowlist.build(
+            fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid
+        )
+        logging.getLogger().setLevel(fresh.log_level.upper())
+        self.registry.limits = fresh.limits
+        self.registry.rendezvous_timeout = fresh.rendezvous_timeout
+        self.registry.agreement_timeout = fresh.agreement_timeout
+        ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
+        self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
+        self._refused.clear()
+        log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
+                    f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
+        self._notifier.reloaded(self._summary())
+
+    def _summary(self) -> str:
+        sets = self.registry.all_sets()
+        held = sum(len(b.holders()) for b in sets)
+        return f"serving {self.socket_path} ({self.backend.name}): {len(sets)} buffer set(s), {held} rank(s) held"
+
     def shutdown(self) -> None:
         log.info("shutting down: failing waiters and freeing every buffer")
+        self._notifier.stopping("stopping: freeing every buffer")
         self._deliver(self.registry.shutdown())
+        if self.metrics is not None:
+            self.metrics.close()
+        self._notifier.close()
         self.backend.close()
         self._watcher.close()
         self._router.close(linger=0)
@@ -154,23 +232,42 @@ class Daemon:
             events = dict(poller.poll(self._poll_timeout_ms()))
             now = time.monotonic()
             out: Outbox = []
+            if self._wake_r.fileno() in events:  # zmq reports plain sockets by fd
+                self._wake_r.recv(4096)
+                out += self._handle_signals(now)
             if self._router in events:
                 out += self._drain_router()
-            if self._wake_r in events:
-                self._wake_r.recv(4096)
-            for fd in [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]:
+            readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]
+            for fd in readable:
                 poller.unregister(fd)
-                out += self.registry.process_died(self._watcher.died(fd), now)
-            for pid in self._watcher.sweep():
+            for pid in [self._watcher.died(fd) for fd in readable] + self._watcher.sweep():
                 out += self.registry.process_died(pid, now)
             out += self.registry.expire(time.monotonic())
             self._deliver(out)
+            if now >= self._next_tick:
+                self._tick(now)
+            if self._drain_until is not None and (now >= self._drain_until or not self.registry.held()):
+                self._stopping = True
+
+
+    def _tick(self, now: float) -> None:
+        """Once a second, or each watchdog interval: ping systemd, refresh STATUS=."""
+        interval = self._notifier.watchdog_interval
+        self._next_tick = now + min(TICK_S, interval or TICK_S)
+        if interval is not None:
+            self._notifier.watchdog()
+        if self._notifier.active:
+            self._notifier.status(("draining: " if self._drain_until else "") + self._summary())
 
     def _poll_timeout_ms(self) -> int | None:
         deadline = self.registry.next_deadline()
         waits = [] if deadline is None else [max(0.0, deadline - time.monotonic())]
         if self._watcher.polling:
             waits.append(POLL_INTERVAL)
+        if self._notifier.active:
+            waits.append(max(0.0, self._next_tick - time.monotonic()))
+        if self._drain_until is not None:
+            waits.append(max(0.0, self._drain_until - time.monotonic()))
         return None if not waits else int(min(waits) * 1000) + 1
 
     def _drain_router(self) -> Outbox:
@@ -200,6 +297,11 @@ class Daemon:
             log.warning("pid %d sent a bad request: %s", who.pid, err)
             return [Send((identity, err.request_id), error=err)]
         caller = (identity, request.id)
+        if self.metrics is not None:
+            self.metrics.received(caller, request.op)
+        if request.op == "join" and self._drain_until is not None:
+            return [Send(caller, error=ProtocolError(
+                ErrorCode.SHUTTING_DOWN, "the peerd daemon is shutting down and takes no new joins"))]
         try:
             return self._handlers[request.op](caller, who, request.body)
         except Exception as err:  # a bug must cost one request, never the daemon
@@ -208,6 +310,8 @@ class Daemon:
 
     def _deliver(self, out: Outbox) -> None:
         for send in out:
+            if self.metrics is not None:
+                self.metrics.answered(send)
             identity, request_id = send.caller
             if send.error is not None:
                 frame = encode_error(request_id, send.error.code, send.error.message)
@@ -289,11 +393,18 @@ class Daemon:
 
     def _status(self) -> dict:
         sets = self.registry.all_sets()
+        devices = self.backend.devices()
+        found = problems(self.registry, devices, time.monotonic())
         return {
             **self._hello(),
+            "health": "degraded" if found else "healthy",
+            "problems": found,
+            "draining": self._drain_until is not None,
+            "allowed": {"uids": sorted(self.allowlist.uids), "gids": sorted(self.allowlist.gids)},
+            "limits": dataclasses.asdict(self.registry.limits),
             "socket": self.socket_path,
             "uptime_s": round(time.monotonic() - self.started, 3),
-            "devices": self.backend.devices(),
+            "devices": devices,
             "groups": len(sets),
             "ranks_held": sum(len(b.holders()) for b in sets),
             "bytes_allocated": sum(s.allocation.size for b in sets for s in b.slots.values() if s.allocation),

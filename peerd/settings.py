@@ -1,19 +1,31 @@
-"""The daemon's settings: each declared once, as a command-line option and a field.
+"""The daemon's settings: each declared once, then read from four places.
 
-``OPTIONS`` is the one list: ``peerd serve`` (and anything else that starts a
-daemon) builds its click options from it, and ``Settings`` is what the daemon
-receives. Sizes take binary or decimal suffixes ("64MiB", "16G"); "none" (or 0)
-means no limit.
+``OPTIONS`` is the one list. Every option is a command-line flag
+(``--max-groups``), an environment variable (``PEERD_MAX_GROUPS``) and a key of
+the configuration file (``max_groups``, in /etc/peerd/peerd.toml unless
+``--config`` or ``PEERD_CONFIG`` names another). The command line wins over
+the environment, which wins over the file, which wins over the default;
+``peerd config`` shows the value of each and where it came from. A bad value
+or an unknown key is an error at start-up naming the key and its source.
+Sizes take binary or decimal suffixes ("64MiB", "16G"); "none" (or 0) means
+no limit.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import re
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import click
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 from .groups import Limits
 from .paths import default_socket
@@ -68,6 +80,7 @@ class Option:
 
 
 _SECONDS = click.FloatRange(min=0, min_open=True)
+DEFAULT_CONFIG = "/etc/peerd/peerd.toml"
 
 OPTIONS = (
     Option("socket", str, default_socket, "Path of the daemon's unix socket "
@@ -90,7 +103,12 @@ OPTIONS = (
     Option("max_groups", click.IntRange(min=1), Limits.max_groups, "Most buffer sets held at once."),
     Option("max_ranks", click.IntRange(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
     Option("max_message_bytes", ByteSize(), MAX_FRAME_BYTES, "Largest request frame; bigger ones drop the connection."),
+    Option("shutdown_grace", click.FloatRange(min=0), 30.0,
+           "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
+    Option("metrics_port", click.IntRange(min=0, max=65535), 0,
+           "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs peerd[metrics])."),
 )
+_BY_NAME = {o.name: o for o in OPTIONS}
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,8 @@ class Settings:
     max_groups: int = Limits.max_groups
     max_ranks: int = Limits.max_ranks
     max_message_bytes: int = MAX_FRAME_BYTES
+    shutdown_grace: float = 30.0
+    metrics_port: int = 0
 
     @property
     def limits(self) -> Limits:
@@ -117,18 +137,122 @@ class Settings:
                       self.max_groups, self.max_ranks)
 
 
+class ConfigError(click.ClickException):
+    """A bad configuration file or value; the message names the key and where it came from."""
+
+
+def _env_name(name: str) -> str:
+    return "PEERD_" + name.upper()
+
+
+def _param_type(option: Option) -> click.ParamType:
+    return option.type if isinstance(option.type, click.ParamType) else click.types.convert_type(option.type)
+
+
+def _convert(option: Option, raw: Any, source: str) -> Any:
+    items = raw if isinstance(raw, (list, tuple)) else [raw]
+    if not option.multiple and isinstance(raw, (list, tuple)):
+        raise ConfigError(f"{source}: {option.name} takes one value, not a list")
+    try:
+        values = tuple(_param_type(option).convert(item, None, None) for item in items)
+    except click.BadParameter as err:
+        raise ConfigError(f"{source}: bad value for {option.name}: {err.message}") from None
+    return values if option.multiple else values[0]
+
+
+@dataclass
+class Loader:
+    """Resolves the settings from the command line, the environment, the file and the defaults.
+
+    Kept by the daemon so that SIGHUP can read the file again with the same
+    command line.
+    """
+
+    given: dict[str, Any]  # what the command line said (None or () where it said nothing)
+    config: str | None = None  # --config
+
+    def config_path(self) -> tuple[str | None, bool]:
+        """The file to read, and whether someone asked for it explicitly."""
+        explicit = self.config or os.environ.get("PEERD_CONFIG")
+        return (explicit, True) if explicit else (DEFAULT_CONFIG, False)
+
+    def read_file(self) -> tuple[dict[str, Any], str | None]:
+        path, explicit = self.config_path()
+        if not os.path.exists(path):
+            if explicit:
+                raise ConfigError(f"configuration file {path} does not exist")
+            return {}, None
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"cannot read configuration file {path}: {err}") from None
+        unknown = sorted(set(data) - set(_BY_NAME))
+        if unknown:
+            raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(_BY_NAME)}")
+        return data, path
+
+    def load(self) -> tuple["Settings", dict[str, str]]:
+        """The settings, and where each value came from."""
+        from_file, path = self.read_file()
+        values, sources = {}, {}
+        for option in OPTIONS:
+            given, env = self.given.get(option.name), os.environ.get(_env_name(option.name))
+            if given not in (None, ()):
+                value, source = given, "command line"
+            elif env is not None:
+                source = f"environment ({_env_name(option.name)})"
+                value = _convert(option, env.split(",") if option.multiple else env, source)
+            elif option.name in from_file:
+                source = path
+                value = _convert(option, from_file[option.name], source)
+            else:
+                value = option.default() if callable(option.default) else option.default
+                source = "default"
+            values[option.name], sources[option.name] = value, source
+        return Settings(**values), sources
+
+
 def serve_options(function: Callable) -> Callable:
-    """Give a click command every daemon option; it receives them as one ``settings``."""
+    """Give a click command every daemon option and --config; it receives one ``settings``.
+
+    The Loader is left in the click context's meta (key "peerd.loader") for
+    commands that read the settings again (SIGHUP) or show their sources.
+    """
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        values = {o.name: kwargs.pop(o.name) for o in OPTIONS}
-        values = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in values.items()}
-        return function(*args, settings=Settings(**values), **kwargs)
+        loader = Loader({o.name: kwargs.pop(o.name) for o in OPTIONS}, kwargs.pop("config"))
+        settings, _ = loader.load()
+        click.get_current_context().meta["peerd.loader"] = loader
+        return function(*args, settings=settings, **kwargs)
 
     for option in reversed(OPTIONS):
+        default = "" if option.multiple or callable(option.default) else f" [default: {_shown(option)}]"
         wrapper = click.option(
-            option.flag, option.name, type=option.type, default=option.default, help=option.help,
-            multiple=option.multiple, show_default=not callable(option.default) and not option.multiple,
+            option.flag, option.name, type=option.type, default=() if option.multiple else None,
+            multiple=option.multiple, help=f"{option.help}{default} [env: {_env_name(option.name)}]",
         )(wrapper)
-    return wrapper
+    return click.option(
+        "--config", "config", default=None, metavar="PATH",
+        help=f"Configuration file [default: {DEFAULT_CONFIG} where it exists] [env: PEERD_CONFIG]",
+    )(wrapper)
+
+
+def _shown(option: Option) -> str:
+    if option.default is None:
+        return "none"
+    if isinstance(option.type, OctalMode):
+        return f"{option.default:04o}"
+    return str(option.default)
+
+
+def settings_table(settings: "Settings", sources: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(key, value, source) for `peerd config`, values written as the file would take them."""
+    rows = []
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        shown = _shown(Option(f.name, _BY_NAME[f.name].type, value, "")) if not isinstance(value, tuple) else (
+            "[" + ", ".join(map(str, value)) + "]")
+        rows.append((f.name, shown, sources[f.name]))
+    return rows

@@ -1,0 +1,89 @@
+"""Prometheus metrics on 127.0.0.1 (optional: `pip install 'peerd[metrics]'`, `--metrics-port`).
+
+Counters and latency histograms are fed by the daemon's loop as replies go
+out; gauges are read from the registry at scrape time, on the HTTP thread,
+through atomic copies (list() of a dict's values holds the GIL throughout),
+so scraping never blocks or races the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable
+
+from .groups import Registry, Send
+
+OUTCOME_OK = "ok"
+
+
+class Metrics:
+    def __init__(self, port: int, registry: Registry):
+        try:
+            from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+        except ImportError:
+            raise RuntimeError(
+                "--metrics-port needs prometheus-client: pip install 'peerd[metrics]'"
+            ) from None
+        self._registry = registry
+        self._pending: dict[Hashable, tuple[str, float]] = {}
+        self.requests = Counter("peerd_requests", "Requests answered, by op and outcome", ["op", "outcome"])
+        self.latency = Histogram(
+            "peerd_request_seconds", "Time from a request's arrival to its reply (joins include the rendezvous)",
+            ["op"], buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30, 60, 120),
+        )
+        self.joins = Counter("peerd_joins", "Joins answered, by outcome (ok or the error code)", ["outcome"])
+        self.agreements = Counter("peerd_agreements", "tp_agree rounds answered, by outcome", ["outcome"])
+        REGISTRY.register(_Gauges(registry))
+        self.server, self.thread = start_http_server(port, addr="127.0.0.1")
+
+    def received(self, caller: Hashable, op: str) -> None:
+        self._pending[caller] = (op, time.monotonic())
+
+    def answered(self, send: Send) -> None:
+        entry = self._pending.pop(send.caller, None)
+        if entry is None:
+            return
+        op, started = entry
+        if send.error is not None:
+            outcome = send.error.code.value
+        elif op in ("agree", "commit"):
+            outcome = str(bool(send.body.get("ok"))).lower()
+        else:
+            outcome = OUTCOME_OK
+        self.requests.labels(op, outcome).inc()
+        self.latency.labels(op).observe(time.monotonic() - started)
+        if op == "join":
+            self.joins.labels(outcome).inc()
+        elif op == "agree":
+            self.agreements.labels(outcome).inc()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+class _Gauges:
+    """Buffer sets by state, ranks held, bytes by device, rank deaths: read at scrape time."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        sets = list(self._registry.sets.values()) + list(self._registry.retired.values())
+        by_state = GaugeMetricFamily("peerd_buffer_sets", "Buffer sets, by state", labels=["state"])
+        counts: dict[str, int] = {}
+        held = 0
+        for b in sets:
+            counts[b.state.value] = counts.get(b.state.value, 0) + 1
+            held += sum(1 for s in list(b.slots.values()) if s.held)
+        for state, n in sorted(counts.items()):
+            by_state.add_metric([state], n)
+        yield by_state
+        yield GaugeMetricFamily("peerd_ranks_held", "Ranks holding a buffer set", value=held)
+        by_device = GaugeMetricFamily("peerd_bytes_allocated", "Bytes allocated, by device", labels=["device"])
+        for device, n in sorted(dict(self._registry.bytes_by_device).items()):
+            by_device.add_metric([device], n)
+        yield by_device
+        yield CounterMetricFamily("peerd_rank_deaths", "Client processes that died holding a rank",
+                                  value=self._registry.rank_deaths)

@@ -1,0 +1,178 @@
+"""The daemon as a service: systemd's notify protocol, configuration, health,
+metrics, draining on SIGTERM and reloading on SIGHUP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from peerd_client.connection import Connection
+from peerd_client.errors import MonoUnsupported
+
+from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+
+
+def daemon_in(socket_dir: str, *args: str, **env) -> Daemon:
+    return Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", args=args,
+                  daemon_env=env).start()
+
+
+def test_notify_protocol_ready_status_watchdog_stopping(socket_dir):
+    path = os.path.join(socket_dir, "notify")
+    systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    systemd.bind(path)
+    systemd.settimeout(20)
+    d = daemon_in(socket_dir, NOTIFY_SOCKET=path, WATCHDOG_USEC="400000")
+    try:
+        ready = systemd.recv(4096).decode()
+        assert "READY=1" in ready and f"MAINPID={d.proc.pid}" in ready
+        assert f"STATUS=serving {d.socket} (host): 0 buffer set(s), 0 rank(s) held" in ready
+        pings = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and pings < 3:
+            pings += systemd.recv(4096).decode().count("WATCHDOG=1")
+        assert pings >= 3, "WATCHDOG=1 every half WATCHDOG_USEC"
+        d.proc.send_signal(signal.SIGTERM)
+        seen = ""
+        while "STOPPING=1" not in seen:
+            seen += systemd.recv(4096).decode()
+        assert "STATUS=draining" in seen
+        assert d.proc.wait(timeout=20) == 0
+    finally:
+        systemd.close()
+        d.stop()
+
+
+def test_config_file_environment_and_command_line_with_their_sources(socket_dir):
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text('log_level = "debug"\nmax_groups = 12\nallow_uid = [1000, 1001]\nmax_buffer_bytes = "64MiB"\n')
+    env = {**os.environ, "PEERD_CONFIG": str(config), "PEERD_MAX_RANKS": "8"}
+    result = subprocess.run([sys.executable, "-m", "peerd", "config", "--json", "--max-groups", "7"],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["log_level"] == {"value": "debug", "source": str(config)}
+    assert shown["max_groups"] == {"value": "7", "source": "command line"}
+    assert shown["max_ranks"] == {"value": "8", "source": "environment (PEERD_MAX_RANKS)"}
+    assert shown["max_buffer_bytes"]["value"] == str(64 << 20) and shown["allow_uid"]["value"] == "[1000, 1001]"
+    assert shown["rendezvous_timeout"] == {"value": "60.0", "source": "default"}
+
+
+def test_a_bad_configuration_is_a_clear_error_at_start_naming_the_key(socket_dir):
+    config = Path(socket_dir) / "peerd.toml"
+    for text, words in [
+        ("max_grups = 3\n", "unknown key(s) max_grups"),
+        ('max_groups = "many"\n', "bad value for max_groups"),
+        ("socket_dir_mode = '0999'\n", "bad value for socket_dir_mode"),
+        ("log_level = [\n", "cannot read configuration file"),
+    ]:
+        config.write_text(text)
+        result = subprocess.run([sys.executable, "-m", "peerd", "serve", "--config", str(config),
+                                 "--socket", os.path.join(socket_dir, "s.sock")],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 1 and words in result.stderr and str(config) in result.stderr, result.stderr
+    missing = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", "/nonexistent.toml"],
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 1 and "/nonexistent.toml does not exist" in missing.stderr
+
+
+def test_status_tells_healthy_from_degraded(socket_dir):
+    d = daemon_in(socket_dir, "--max-groups", "1")
+    try:
+        assert d.cli("status").returncode == 0
+        holders = [start_rank(d, "join", r, 2, "--group", "only", "--hold", "60") for r in (0, 1)]
+        wait_until(lambda: "group=only name=default live" in d.logs(), 30, "the set to go live")
+        result = d.cli("status")
+        assert result.returncode == 1 and "degraded" in result.stdout
+        assert "1 buffer sets held of at most 1 (--max-groups)" in result.stdout
+        info = json.loads(d.cli("status", "--json").stdout)
+        assert info["health"] == "degraded" and info["problems"]
+        for p in holders:
+            p.kill()
+        wait_until(lambda: d.cli("status").returncode == 0, 30, "health to come back")
+    finally:
+        assert d.stop() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_metrics(socket_dir):
+    port = _free_port()
+    d = daemon_in(socket_dir, "--metrics-port", str(port))
+    try:
+        assert all(r["ok"] for r in run_ranks(d, "exchange", 2, "--group", "scraped"))
+        victim = start_rank(d, "join", 0, 2, "--group", "dies", "--hold", "60")
+        wait_until(lambda: "group=dies name=default rank=0" in d.logs(), 30, "rank 0 to join")
+        victim.kill()
+        wait_until(lambda: f"(pid {victim.pid}) of group=dies name=default died" in d.logs(), 30, "the death")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'peerd_joins_total{outcome="ok"} 2.0' in text
+        assert 'peerd_agreements_total{outcome="true"} 4.0' in text  # two barriers by two ranks
+        assert "peerd_rank_deaths_total 1.0" in text
+        assert 'peerd_request_seconds_bucket{le="0.001",op="hello"}' in text
+        assert "peerd_ranks_held 0.0" in text and 'peerd_bytes_allocated{device="host"}' not in text
+    finally:
+        assert d.stop() == 0
+
+
+def test_sigterm_drains_live_groups_and_refuses_new_joins(socket_dir):
+    d = daemon_in(socket_dir, "--shutdown-grace", "60")
+    holders = [start_rank(d, "join", r, 2, "--group", "live", "--hold", "6") for r in (0, 1)]
+    wait_until(lambda: "group=live name=default live" in d.logs(), 30, "the set to go live")
+    d.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining" in d.logs(), 10, "the drain to start")
+    conn = Connection(d.socket)  # from this process: no interpreter start-up to race the drain
+    with pytest.raises(MonoUnsupported) as late:
+        conn.call("join", {"group": "late", "name": "n", "rank": 0, "npes": 2, "nbytes": 4096, "device": "host"})
+    conn.close()
+    assert late.value.code == "SHUTTING_DOWN" and "takes no new joins" in str(late.value)
+    assert d.proc.poll() is None, "the daemon waits for the live group"
+    assert [finish(p)["ok"] for p in holders] == [True, True], "the live group finished undisturbed"
+    assert d.proc.wait(timeout=20) == 0
+    assert "released (0 still hold it)" in d.logs()
+
+
+def test_the_drain_ends_after_the_grace_period(socket_dir):
+    d = daemon_in(socket_dir, "--shutdown-grace", "1")
+    holders = [start_rank(d, "join", r, 2, "--group", "stubborn", "--hold", "60") for r in (0, 1)]
+    wait_until(lambda: "group=stubborn name=default live" in d.logs(), 30, "the set to go live")
+    pid = d.proc.pid
+    started = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=20) == 0
+    assert time.monotonic() - started < 10
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"peerd-{pid}-")]
+    for p in holders:
+        p.kill()
+
+
+def test_sighup_rereads_the_allowlist_and_the_log_level(socket_dir):
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text('log_level = "info"\n')
+    d = daemon_in(socket_dir, "--config", str(config))
+    try:
+        assert 4242 not in json.loads(d.cli("status", "--json").stdout)["allowed"]["uids"]
+        config.write_text('log_level = "debug"\nallow_uid = [4242]\nmax_groups = 5\nmetrics_port = 9999\n')
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloaded" in d.logs(), 10, "the reload")
+        status = json.loads(d.cli("status", "--json").stdout)
+        assert 4242 in status["allowed"]["uids"] and status["limits"]["max_groups"] == 5
+        assert "log level debug; changed but needing a restart: metrics_port" in d.logs()
+        config.write_text("allow_uid = 'x'\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "configuration not reloaded" in d.logs(), 10, "the refused reload")
+        assert 4242 in json.loads(d.cli("status", "--json").stdout)["allowed"]["uids"], "the old one stays"
+    finally:
+        assert d.stop() == 0
