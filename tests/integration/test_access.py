@@ -116,7 +116,7 @@ def test_another_process_cannot_take_fetch_vote_or_release_a_rank(socket_dir, pr
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
     try:
         holders = [start_rank(d, "join", r, 2, "--group", "owned", "--hold", "60") for r in (0, 1)]
-        wait_until(lambda: "group=owned name=default live" in d.logs(), 30, "the set to go live")
+        wait_until(lambda: "group=owned name=default live" in d.logs(), 90, "the set to go live")
         slot = {"group": "owned", "name": "default", "rank": 0}
         join = {**slot, "npes": 2, "nbytes": 65536, "device": "host"}
         taken = call(d, "join", join)
@@ -131,7 +131,7 @@ def test_another_process_cannot_take_fetch_vote_or_release_a_rank(socket_dir, pr
         # a rendezvous and an agreement of root's, each waiting for rank 1
         waiting = [start_rank(d, "join", 0, 2, "--group", "pending", "--hold", "60"),
                    start_rank(d, "agree", 0, 2, "--group", "voting", "--votes", "1")]
-        wait_until(lambda: "group=pending name=default rank=0" in d.logs(), 30, "rank 0 to join")
+        wait_until(lambda: "group=pending name=default rank=0" in d.logs(), 90, "rank 0 to join")
         intruder = call(d, "join", {**join, "group": "pending", "rank": 1}, *as_user(probe_user), rank=1)
         assert intruder["code"] == "FORBIDDEN" and "belongs to uid 0" in intruder["message"], intruder
         wait_until(lambda: call(d, "agree", {"group": "voting", "rank": 0, "npes": 2, "ok": True})["code"]
@@ -155,7 +155,7 @@ def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
         assert wide["code"] == "LIMIT_EXCEEDED" and "npes=8 exceeds the daemon's limit of 4 ranks" in wide["message"]
         holders = [start_rank(d, "join", r, 2, "--group", f"g{g}", "--nbytes", str(MiB), "--hold", "60")
                    for g in (1,) for r in (0, 1)]
-        wait_until(lambda: "group=g1 name=default live" in d.logs(), 30, "g1 to go live")
+        wait_until(lambda: "group=g1 name=default live" in d.logs(), 90, "g1 to go live")
         late = [start_rank(d, "join", r, 2, "--group", "g2", "--nbytes", str(MiB), "--timeout", "5") for r in (0, 1)]
         results = [finish(p) for p in late]
         assert {r["code"] for r in results} == {"LIMIT_EXCEEDED"}, results
@@ -163,7 +163,7 @@ def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
                    for r in results), results
         assert len(d.segments()) == 2, "only g1 holds memory: nothing past the limit, g2 freed when it failed"
         third = start_rank(d, "join", 0, 2, "--group", "g3", "--nbytes", "4096", "--hold", "60")
-        wait_until(lambda: "group=g3 name=default rank=0" in d.logs(), 30, "g3 to start")
+        wait_until(lambda: "group=g3 name=default rank=0" in d.logs(), 90, "g3 to start")
         over = run_ranks(d, "join", 2, "--group", "g4", "--nbytes", "4096", ranks=[0])[0]
         assert over["code"] == "LIMIT_EXCEEDED" and "already holds 2 buffer sets (--max-groups 2)" in over["message"]
         for p in holders + [third]:
@@ -187,7 +187,7 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
     try:
         holders = [start_rank(d, "join", r, 2, "--group", "stuck", "--hold", "10") for r in (0, 1)]
-        wait_until(lambda: "group=stuck name=default live" in d.logs(), 30, "the set to go live")
+        wait_until(lambda: "group=stuck name=default live" in d.logs(), 90, "the set to go live")
         refused = call(d, "evict", {"group": "stuck"}, *as_user(probe_user))
         assert refused["code"] == "FORBIDDEN" and "only root or uid" in refused["message"]
         result = d.cli("evict", "stuck", "--yes")

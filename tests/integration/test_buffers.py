@@ -48,7 +48,7 @@ def test_agreement_timeout_is_false_for_the_ranks_that_came(daemon):
 
 def test_mismatched_nbytes_fails_every_rank(daemon):
     r0 = start_rank(daemon, "join", 0, 2, "--nbytes", "4096", "--group", "mm")
-    wait_until(lambda: "rank=0" in daemon.logs(), 20, "rank 0 to join")
+    wait_until(lambda: "rank=0" in daemon.logs(), 90, "rank 0 to join")
     r1 = start_rank(daemon, "join", 1, 2, "--nbytes", "8192", "--group", "mm")
     for r in (finish(r0), finish(r1)):
         assert not r["ok"] and r["type"] == "MonoUnsupported" and r["code"] == "MISMATCH", r
@@ -58,7 +58,7 @@ def test_mismatched_nbytes_fails_every_rank(daemon):
 
 def test_mismatched_npes_fails_every_rank(daemon):
     r0 = start_rank(daemon, "join", 0, 2, "--group", "mn")
-    wait_until(lambda: "rank=0" in daemon.logs(), 20, "rank 0 to join")
+    wait_until(lambda: "rank=0" in daemon.logs(), 90, "rank 0 to join")
     r1 = start_rank(daemon, "join", 1, 3, "--group", "mn")
     for r in (finish(r0), finish(r1)):
         assert not r["ok"] and r["code"] == "MISMATCH", r
@@ -78,7 +78,7 @@ def test_rank_out_of_range_and_rank_taken(daemon):
     out_of_range = run_ranks(daemon, "join", 2, "--group", "bad", ranks=[5])[0]
     assert out_of_range["code"] == "RANK_INVALID" and "rank 5 is out of range for npes=2" in out_of_range["message"]
     holder = start_rank(daemon, "join", 0, 2, "--group", "taken", "--timeout", "3")
-    wait_until(lambda: "group=taken name=default rank=0" in daemon.logs(), 20, "rank 0 to join")
+    wait_until(lambda: "group=taken name=default rank=0" in daemon.logs(), 90, "rank 0 to join")
     thief = run_ranks(daemon, "join", 2, "--group", "taken", ranks=[0])[0]
     assert thief["code"] == "RANK_TAKEN" and "already joined by pid" in thief["message"]
     assert finish(holder)["code"] == "TIMEOUT"

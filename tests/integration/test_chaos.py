@@ -54,7 +54,7 @@ def kill_one_rank(daemon, step: str, victim: int, group: str) -> None:
         for r in others[:-1]:
             procs[r] = start_rank(daemon, "chaos", r, NPES, *args)
         joined = [f"group={group} name=default rank={r} " for r in [victim, *others[:-1]]]
-        wait_until(lambda: all(j in daemon.logs() for j in joined), 30, "the early ranks to join")
+        wait_until(lambda: all(j in daemon.logs() for j in joined), 90, "the early ranks to join")
         procs[victim].send_signal(signal.SIGKILL)
         procs[others[-1]] = start_rank(daemon, "chaos", others[-1], NPES, *args)
     else:

@@ -34,7 +34,7 @@ def test_status_without_a_daemon_fails_with_one_line(socket_dir):
 
 def test_ls_shows_each_group_while_it_is_held(daemon):
     holders = [start_rank(daemon, "join", r, 2, "--group", "shown", "--name", "kv", "--hold", "30") for r in (0, 1)]
-    wait_until(lambda: "group=shown name=kv live" in daemon.logs(), 30, "the set to go live")
+    wait_until(lambda: "group=shown name=kv live" in daemon.logs(), 90, "the set to go live")
     listing = json.loads(daemon.cli("ls", "--json").stdout)
     assert len(listing) == 1
     entry = listing[0]
@@ -62,7 +62,7 @@ def test_a_second_daemon_on_the_same_socket_refuses_to_start(daemon):
 def test_sigterm_frees_everything_and_removes_the_socket(socket_dir):
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "log").start()
     waiting = start_rank(d, "join", 0, 2, "--group", "cut")
-    wait_until(lambda: "group=cut name=default rank=0" in d.logs(), 30, "rank 0 to join")
+    wait_until(lambda: "group=cut name=default rank=0" in d.logs(), 90, "rank 0 to join")
     assert len(d.segments()) == 1
     pid = d.proc.pid
     assert d.stop() == 0

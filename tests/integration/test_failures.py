@@ -23,7 +23,7 @@ def joined(daemon, group, rank):
 def test_a_rank_killed_in_the_rendezvous_fails_every_waiting_rank_at_once(daemon):
     waiting = start_rank(daemon, "join", 0, 3, "--group", "kill-r", "--timeout", "120")
     victim = start_rank(daemon, "join", 1, 3, "--group", "kill-r", "--timeout", "120")
-    wait_until(lambda: joined(daemon, "kill-r", 0)() and joined(daemon, "kill-r", 1)(), 30, "two ranks to join")
+    wait_until(lambda: joined(daemon, "kill-r", 0)() and joined(daemon, "kill-r", 1)(), 90, "two ranks to join")
     victim.send_signal(signal.SIGKILL)
     result = finish(waiting, timeout=30)  # far inside the 120 s rendezvous timeout
     assert result["code"] == "RANK_DIED", result
@@ -33,20 +33,20 @@ def test_a_rank_killed_in_the_rendezvous_fails_every_waiting_rank_at_once(daemon
 
 def test_a_rank_that_dies_after_ready_counts_as_released_and_its_memory_stays(daemon):
     ranks = [start_rank(daemon, "join", r, 2, "--group", "late-death", "--hold", "60") for r in (0, 1)]
-    wait_until(lambda: "group=late-death name=default live" in daemon.logs(), 30, "the set to go live")
+    wait_until(lambda: "group=late-death name=default live" in daemon.logs(), 90, "the set to go live")
     ranks[1].send_signal(signal.SIGKILL)
-    wait_until(lambda: "rank=1 pid=%d died" % ranks[1].pid in daemon.logs(), 30, "the death to be seen")
+    wait_until(lambda: "rank=1 pid=%d died" % ranks[1].pid in daemon.logs(), 90, "the death to be seen")
     (entry,) = json.loads(daemon.cli("ls", "--json").stdout)
     assert entry["held"] == [0], "rank 0 still holds the set"
     assert len(daemon.segments()) == 2, "rank 1's memory must stay while rank 0 may still map it"
     ranks[0].send_signal(signal.SIGKILL)
-    wait_until(lambda: daemon.segments() == [], 30, "the last holder's death to free the set")
+    wait_until(lambda: daemon.segments() == [], 90, "the last holder's death to free the set")
     assert json.loads(daemon.cli("ls", "--json").stdout) == []
 
 
 def test_a_call_waiting_on_a_killed_daemon_fails_fast_and_a_restarted_daemon_takes_over(daemon):
     waiting = start_rank(daemon, "join", 0, 2, "--group", "orphan", "--timeout", "120")
-    wait_until(joined(daemon, "orphan", 0), 30, "rank 0 to join")
+    wait_until(joined(daemon, "orphan", 0), 90, "rank 0 to join")
     old_pid = daemon.proc.pid
     assert len(daemon.segments()) == 1
     daemon.proc.send_signal(signal.SIGKILL)
@@ -139,7 +139,7 @@ def test_garbage_on_the_socket_never_stops_the_daemon(daemon):
 
 def test_a_call_waiting_on_a_frozen_daemon_fails_within_a_heartbeat(daemon):
     waiting = start_rank(daemon, "join", 0, 2, "--group", "frozen", "--timeout", "120")
-    wait_until(joined(daemon, "frozen", 0), 30, "rank 0 to join")
+    wait_until(joined(daemon, "frozen", 0), 90, "rank 0 to join")
     daemon.proc.send_signal(signal.SIGSTOP)  # alive but silent: only heartbeats can tell
     try:
         result = finish(waiting, timeout=30)  # far inside the 120 s rendezvous timeout

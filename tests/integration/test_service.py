@@ -89,7 +89,7 @@ def test_status_tells_healthy_from_degraded(socket_dir):
     try:
         assert d.cli("status").returncode == 0
         holders = [start_rank(d, "join", r, 2, "--group", "only", "--hold", "60") for r in (0, 1)]
-        wait_until(lambda: "group=only name=default live" in d.logs(), 30, "the set to go live")
+        wait_until(lambda: "group=only name=default live" in d.logs(), 90, "the set to go live")
         result = d.cli("status")
         assert result.returncode == 1 and "degraded" in result.stdout
         assert "1 buffer sets held of at most 1 (--max-groups)" in result.stdout
@@ -97,7 +97,7 @@ def test_status_tells_healthy_from_degraded(socket_dir):
         assert info["health"] == "degraded" and info["problems"]
         for p in holders:
             p.kill()
-        wait_until(lambda: d.cli("status").returncode == 0, 30, "health to come back")
+        wait_until(lambda: d.cli("status").returncode == 0, 90, "health to come back")
     finally:
         assert d.stop() == 0
 
@@ -114,9 +114,9 @@ def test_prometheus_metrics(socket_dir):
     try:
         assert all(r["ok"] for r in run_ranks(d, "exchange", 2, "--group", "scraped"))
         victim = start_rank(d, "join", 0, 2, "--group", "dies", "--hold", "60")
-        wait_until(lambda: "group=dies name=default rank=0" in d.logs(), 30, "rank 0 to join")
+        wait_until(lambda: "group=dies name=default rank=0" in d.logs(), 90, "rank 0 to join")
         victim.kill()
-        wait_until(lambda: f"(pid {victim.pid}) of group=dies name=default died" in d.logs(), 30, "the death")
+        wait_until(lambda: f"(pid {victim.pid}) of group=dies name=default died" in d.logs(), 90, "the death")
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'peerd_joins_total{outcome="ok"} 2.0' in text
         assert 'peerd_agreements_total{outcome="true"} 4.0' in text  # two barriers by two ranks
@@ -130,7 +130,7 @@ def test_prometheus_metrics(socket_dir):
 def test_sigterm_drains_live_groups_and_refuses_new_joins(socket_dir):
     d = daemon_in(socket_dir, "--shutdown-grace", "60")
     holders = [start_rank(d, "join", r, 2, "--group", "live", "--hold", "6") for r in (0, 1)]
-    wait_until(lambda: "group=live name=default live" in d.logs(), 30, "the set to go live")
+    wait_until(lambda: "group=live name=default live" in d.logs(), 90, "the set to go live")
     d.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: "draining" in d.logs(), 10, "the drain to start")
     conn = Connection(d.socket)  # from this process: no interpreter start-up to race the drain
@@ -147,7 +147,7 @@ def test_sigterm_drains_live_groups_and_refuses_new_joins(socket_dir):
 def test_the_drain_ends_after_the_grace_period(socket_dir):
     d = daemon_in(socket_dir, "--shutdown-grace", "1")
     holders = [start_rank(d, "join", r, 2, "--group", "stubborn", "--hold", "60") for r in (0, 1)]
-    wait_until(lambda: "group=stubborn name=default live" in d.logs(), 30, "the set to go live")
+    wait_until(lambda: "group=stubborn name=default live" in d.logs(), 90, "the set to go live")
     pid = d.proc.pid
     started = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
