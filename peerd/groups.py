@@ -668,11 +668,13 @@ class Registry:
     def _rank_died(self, agreement: Agreement, rank: int, pid: int) -> Outbox:
         """Every pending round the dead rank has not voted in is False now."""
         agreement.pids[rank] = agreement.dead[rank] = pid
-        log.warning("group=%s rank=%d pid=%d died", agreement.group, rank, pid)
         out: Outbox = []
         for rnd in agreement.rounds.values():
             if rnd.result is None and rank not in rnd.votes:
                 out += rnd.finish(False, self._deaths(agreement, [rank]))
+        # a member that exits between rounds is the normal end of a job, not news
+        log.log(logging.WARNING if out else logging.DEBUG, "group=%s rank=%d pid=%d died%s", agreement.group,
+                rank, pid, " while its peers waited in an agreement" if out else "")
         self._collect(agreement)
         return out
 
