@@ -82,6 +82,7 @@ class Daemon:
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
+        backend.share_with_group(self.socket_gid)
         self.allowlist = Allowlist.build(
             settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
         )

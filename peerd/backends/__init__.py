@@ -61,6 +61,9 @@ class MemoryBackend(ABC):
     def free(self, allocation: Allocation) -> None:
         """Give the memory back; called once, after every rank released it."""
 
+    def share_with_group(self, gid: int | None) -> None:
+        """The socket group, for backends whose memory is guarded by file permissions."""
+
     def close(self) -> None:
         """Release what the backend itself holds (contexts), at shutdown."""
 

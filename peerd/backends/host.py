@@ -10,6 +10,7 @@ started after a crash can sweep what the dead one left in /dev/shm.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import logging
 import mmap
@@ -53,6 +54,7 @@ class Memory(MemoryBackend):
         if not os.path.isdir(SHM_DIR):
             raise BackendUnavailable(f"{SHM_DIR} is missing: the host backend needs POSIX shared memory")
         self._serial = itertools.count()
+        self.share_gid: int | None = None  # the socket group
         sweep_orphans()
 
     def devices(self) -> list[dict]:
@@ -76,23 +78,49 @@ class Memory(MemoryBackend):
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            if uid is not None and uid != os.geteuid():
-                os.fchown(fd, uid, -1)  # 0600: the group's own user may map it, nobody else
+            self._share(fd, uid)
             os.ftruncate(fd, size)  # zero-filled by the kernel
         except OSError as err:
             os.unlink(path)
             raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED, f"cannot size shared memory {name} to {size} bytes: {err}"
+                ErrorCode.ALLOCATION_FAILED, f"cannot prepare shared memory {name} of {size} bytes: {err}"
             ) from None
         finally:
             os.close(fd)
         return Allocation(self.name, name.encode(), size, DEVICE, token=path)
+
+    def share_with_group(self, gid: int | None) -> None:
+        self.share_gid = gid
+
+    def _share(self, fd: int, uid: int | None) -> None:
+        """Let the group's user, and nobody else where possible, open the segment.
+
+        A root daemon gives the segment to that user (mode 0600), and may still
+        unlink it from sticky /dev/shm later. A daemon running as its own user
+        can do neither, so it shares the segment with its socket group (0660):
+        any member may then open it, which is as far as file permissions go.
+        """
+        if uid is None or uid == os.geteuid():
+            return
+        if os.geteuid() == 0:
+            os.fchown(fd, uid, -1)
+        elif self.share_gid is not None:
+            os.fchown(fd, -1, self.share_gid)
+            os.fchmod(fd, 0o660)
+        else:
+            raise OSError(
+                errno.EPERM,
+                f"uid {uid} could not open it: a daemon not running as root shares host-backend memory "
+                "only through its --socket-group",
+            )
 
     def free(self, allocation: Allocation) -> None:
         try:
             os.unlink(allocation.token)
         except FileNotFoundError:
             log.warning("shared memory %s was already gone", allocation.token)
+        except PermissionError as err:
+            log.error("cannot unlink shared memory %s: %s; remove it by hand", allocation.token, err)
 
 
 # ---------------------------------------------------------------- the worker's half

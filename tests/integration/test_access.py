@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
 
-USER, SOCKET_GROUP = "peerd-probe", "peerd-sock"
+USER, OTHER_USER, SOCKET_GROUP = "peerd-probe", "peerd-probe2", "peerd-sock"
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a second user (CI runs as root)")
@@ -28,10 +28,11 @@ def probe_user():
     if not _exists(grp.getgrnam, SOCKET_GROUP):
         subprocess.run(["groupadd", SOCKET_GROUP], check=True)
         created.append(["groupdel", SOCKET_GROUP])
-    if not _exists(pwd.getpwnam, USER):
-        subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
-                        "--groups", SOCKET_GROUP, USER], check=True)
-        created.insert(0, ["userdel", USER])
+    for name in (USER, OTHER_USER):
+        if not _exists(pwd.getpwnam, name):
+            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+                            "--groups", SOCKET_GROUP, name], check=True)
+            created.insert(0, ["userdel", name])
     user = pwd.getpwnam(USER)
     yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
     for command in created:
@@ -201,3 +202,24 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
             assert finish(p)["ok"], "a holder's late close after an eviction must not crash it"
     finally:
         assert d.stop() == 0
+
+
+def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_group(socket_dir, probe_user):
+    """The systemd layout: the daemon is not root, the workers are another user of the socket group."""
+    uid, gid, sock_gid = probe_user
+    other = pwd.getpwnam(OTHER_USER)
+    os.chown(socket_dir, uid, gid)
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log")
+    d.proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}:{sock_gid}", "serve",
+         "--backend", "host", "--socket", d.socket, "--socket-group", SOCKET_GROUP],
+        stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env())
+    wait_until(lambda: "serving" in d.logs() or d.proc.poll() is not None, 60, "the daemon to start")
+    try:
+        results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
+                            f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
+        assert all(r["ok"] for r in results), results
+        assert d.segments() == [], "the daemon, not root, could unlink its segments"
+        assert "cannot unlink" not in d.logs()
+    finally:
+        assert d.stop() == 0, d.logs()
