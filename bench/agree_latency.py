@@ -1,0 +1,172 @@
+"""Agreement latency: tp_agree through peerd against all_reduce(MIN) over gloo.
+
+    python bench/agree_latency.py                     # N = 2, 4, 8 on the host
+    python bench/agree_latency.py --ranks 8 --rounds 2000 --backend cuda
+
+N worker processes (spawn) each hold a daemon connection and a gloo process
+group (both made before timing). Two measurements, peerd and gloo
+alternating so that drift hits both alike:
+
+  synchronized rounds (the headline): before each round every rank sleeps
+      until one common instant, then calls; the round's latency is the time
+      from that instant until the slowest rank has the answer. p50 and p99
+      over --sync-rounds rounds per path.
+  back-to-back rounds: --rounds rounds in a tight loop, in --blocks blocks;
+      the mean round period (latency as OSU-style loops report it) and p50 /
+      p99 of every call of every rank (a rank that arrives last waits least,
+      so per-call times spread around the period).
+
+``--backend cuda`` only gives every worker a CUDA context on GPU 0 first
+(the agreement itself never touches the GPU, in either path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+PATHS = ("peerd", "gloo")
+
+
+def worker(rank, npes, args, start: C.Start, port, results) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from peerd_client import tp_agree
+
+        C.torch_device(args.backend)
+        C.init_gloo(port, rank, npes)
+        key = f"agree-{npes}"
+        flag = torch.tensor([1], dtype=torch.int32)
+
+        def peerd_round():
+            return tp_agree(True, key, rank, npes)
+
+        def gloo_round():
+            flag.fill_(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            return bool(flag.item())
+
+        calls = {"peerd": peerd_round, "gloo": gloo_round}
+        for fn in calls.values():
+            for _ in range(args.warmup):
+                assert fn()
+        durations = {p: [] for p in PATHS}
+        periods = {p: [] for p in PATHS}
+        per_block = max(1, args.rounds // args.blocks)
+        clock = time.perf_counter
+        for b in range(args.blocks):
+            for path in (PATHS if b % 2 == 0 else PATHS[::-1]):
+                fn, out = calls[path], durations[path]
+                start.wait(rank)
+                t_block = clock()
+                for _ in range(per_block):
+                    t0 = clock()
+                    ok = fn()
+                    out.append(clock() - t0)
+                    if not ok:
+                        raise RuntimeError(f"{path} agreement returned False")
+                periods[path].append((clock() - t_block) / per_block)
+        synced = {p: [] for p in PATHS}  # (elapsed from the common instant, start lag) per round
+        for j in range(args.sync_rounds):
+            for path in (PATHS if j % 2 == 0 else PATHS[::-1]):
+                instant, late = start.wait(rank)
+                ok = calls[path]()
+                synced[path].append((time.monotonic() - instant, late))
+                if not ok:
+                    raise RuntimeError(f"{path} agreement returned False")
+        dist.destroy_process_group()
+        results.put((rank, durations, periods, synced, None))
+    except BaseException:
+        results.put((rank, {}, {}, {}, traceback.format_exc()))
+        raise
+
+
+def measure(npes: int, args) -> dict:
+    ctx = mp.get_context("spawn")
+    start = C.Start(ctx, npes, lead=args.lead)
+    results = ctx.Queue()
+    (port,) = C.free_ports(1)
+    procs = [ctx.Process(target=worker, args=(r, npes, args, start, port, results)) for r in range(npes)]
+    for p in procs:
+        p.start()
+    pooled = {p: [] for p in PATHS}
+    periods = {p: [] for p in PATHS}
+    synced = {p: [] for p in PATHS}  # per rank: list over rounds
+    for _ in range(npes):
+        rank, durations, period, sync, error = results.get(timeout=args.timeout)
+        if error:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"N={npes} rank {rank} failed:\n{error}")
+        for path in PATHS:
+            pooled[path] += durations[path]
+            synced[path].append(sync[path])
+            if rank == 0:
+                periods[path] = period[path]
+    for p in procs:
+        p.join(30)
+    out = {}
+    for path in PATHS:
+        rounds = list(zip(*synced[path]))  # per round: (elapsed, lag) of every rank
+        slowest = [max(e for e, _ in r) for r in rounds]
+        out[path] = {
+            "sync": {**C.summary(slowest), "max_start_lag": max((l for r in rounds for _, l in r), default=0.0)},
+            "per_call": C.summary(pooled[path]),
+            "round_period": sum(periods[path]) / len(periods[path]),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
+    parser.add_argument("--ranks", default="2,4,8")
+    parser.add_argument("--rounds", type=int, default=2000, help="measured rounds per path and N")
+    parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
+    parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
+    parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    info = {"bench": "agree_latency", "machine": C.machine(), "backend": args.backend,
+            "command": C.command_line(), "rounds": args.rounds, "by_n": {}}
+    with C.Daemon(args.backend) as daemon:
+        for npes in C.parse_ints(args.ranks):
+            t0 = time.monotonic()
+            info["by_n"][str(npes)] = measure(npes, args)
+            print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
+            C.save(f"agree_latency-{args.backend}", info, args.out, quiet=True)  # what is done survives a later overrun
+        info["daemon_exit"] = daemon.stop()
+
+    rows, rows2 = [], []
+    for n, r in info["by_n"].items():
+        p, g = r["peerd"]["sync"], r["gloo"]["sync"]
+        rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
+                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
+        p, g = r["peerd"], r["gloo"]
+        rows2.append([n, C.ms(p["round_period"]), C.ms(g["round_period"]),
+                      C.ratio(p["round_period"], g["round_period"]),
+                      C.ms(p["per_call"]["p50"]), C.ms(p["per_call"]["p99"]),
+                      C.ms(g["per_call"]["p50"]), C.ms(g["per_call"]["p99"])])
+    print(f"\nagreement latency, synchronized rounds, ms ({args.backend}, {args.sync_rounds} rounds per path; "
+          "from the common start until the slowest rank has the answer; ratio = peerd / gloo)")
+    print(C.table(["N", "peerd p50", "p99", "gloo p50", "p99", "ratio p50", "ratio p99"], rows))
+    print(f"\nback-to-back rounds, ms ({args.rounds} rounds per path)")
+    print(C.table(["N", "peerd period", "gloo period", "ratio", "peerd call p50", "p99",
+                   "gloo call p50", "p99"], rows2))
+    C.save(f"agree_latency-{args.backend}", info, args.out)
+
+
+if __name__ == "__main__":
+    main()

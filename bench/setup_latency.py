@@ -1,0 +1,207 @@
+"""Setup latency: from a common start until every rank holds a usable PeerBuffer.
+
+    python bench/setup_latency.py --backend host            # or --backend cuda on a GPU machine
+    python bench/setup_latency.py --ranks 2,4,8 --iters 20 --nbytes 1048576
+
+For each N, N worker processes (spawn) sleep until one common instant, then
+build a peer buffer set; a sample is the time from that instant until the
+slowest rank holds it (joined, every handle opened, agreed, views built).
+Paths, measured in the same run, alternating iteration by iteration:
+
+  cold phase (no process group, no daemon connection before the start):
+    peerd first use   PeerBuffer(...) in a process whose connection to the
+                      daemon is dropped before each start (connect + hello
+                      are inside the time)
+    seed cold         init_process_group("gloo", tcp://) + allocate +
+                      all_gather_object the handles + open the peers' +
+                      all_reduce(MIN)
+  warm phase (the gloo group is up, the daemon connection open):
+    peerd             PeerBuffer(...)
+    seed warm         allocate + all_gather_object + open + all_reduce(MIN)
+
+Teardown (close, destroy_process_group) happens after every rank recorded
+its time and is not measured. Prints p50 / p90 in ms and the ratios
+peerd / seed; writes the samples as JSON (bench/results/ by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+COLD = ("peerd first use", "seed cold")
+WARM = ("peerd", "seed warm")
+
+
+def worker(rank, npes, args, start: C.Start, ports, results) -> None:
+    try:
+        import torch.distributed as dist
+
+        from peerd_client import PeerBuffer
+        from peerd_client.connection import connection
+
+        from peerd_client.connection import Connection
+
+        device = C.torch_device(args.backend)
+        memory = C.seed_memory(args.backend, device)
+        connection()  # import and warm the client once; the cold phase drops it before each start
+        samples = []
+        marks: dict = {}
+        real_call = Connection.call
+
+        def call(self, op, body, **kw):  # phase marks: when each request went out and came back
+            marks[f"{op} sent"] = time.monotonic()
+            try:
+                return real_call(self, op, body, **kw)
+            finally:
+                marks[f"{op} answered"] = time.monotonic()
+
+        Connection.call = call
+
+        def record(path, i, instant, late):
+            done = time.monotonic()
+            phases = {k: v - instant for k, v in marks.items()}
+            samples.append((path, i, done - instant, late, phases))
+            marks.clear()
+
+        def run_peerd(path, i):
+            key = f"setup-{npes}-{path.replace(' ', '')}-{i}"
+            instant, late = start.wait(rank)
+            marks.clear()
+            buf = PeerBuffer(args.nbytes, key, rank, npes, device)
+            record(path, i, instant, late)
+            start.barrier.wait()  # every rank holds it before anyone closes
+            buf.close()
+
+        def run_seed(path, i, cold):
+            tag = f"{npes}-{i}-{int(cold)}"
+            instant, late = start.wait(rank)
+            marks.clear()
+            if cold:
+                C.init_gloo(ports[i], rank, npes)
+                marks["process group up"] = time.monotonic()
+            buf = C.SeedBuffer(memory, args.nbytes, rank, npes, tag, marks=marks)
+            record(path, i, instant, late)
+            buf.unmap()
+            start.barrier.wait()  # nobody frees under a peer that still maps it
+            buf.free()
+            if cold:
+                dist.destroy_process_group()
+
+        for i in range(args.warmup + args.iters):
+            order = COLD if i % 2 == 0 else COLD[::-1]
+            for path in order:
+                if path == "peerd first use":
+                    C.reset_peerd_connection()
+                    run_peerd(path, i)
+                else:
+                    run_seed(path, i, cold=True)
+        C.init_gloo(ports[-1], rank, npes)
+        for i in range(args.warmup + args.iters):
+            order = WARM if i % 2 == 0 else WARM[::-1]
+            for path in order:
+                run_peerd(path, i) if path == "peerd" else run_seed(path, i, cold=False)
+        dist.destroy_process_group()
+        results.put((rank, samples, None))
+    except BaseException:
+        results.put((rank, [], traceback.format_exc()))
+        raise
+
+
+def measure(npes: int, args) -> dict:
+    ctx = mp.get_context("spawn")
+    start = C.Start(ctx, npes, lead=args.lead)
+    results = ctx.Queue()
+    ports = C.free_ports(args.warmup + args.iters + 1)
+    procs = [ctx.Process(target=worker, args=(r, npes, args, start, ports, results)) for r in range(npes)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + args.timeout
+    while len(got) < npes:
+        try:
+            rank, samples, error = results.get(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            raise RuntimeError(f"N={npes}: workers did not finish within {args.timeout}s")
+        if error:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"N={npes} rank {rank} failed:\n{error}")
+        got[rank] = samples
+    for p in procs:
+        p.join(30)
+    # a sample: the slowest rank's time for one path and iteration (warm-up iterations dropped)
+    per, late, phases = {}, {}, {}
+    for samples in got.values():
+        for path, i, elapsed, lag, marks in samples:
+            if i < args.warmup:
+                continue
+            per.setdefault(path, {}).setdefault(i, []).append(elapsed)
+            late[path] = max(late.get(path, 0.0), lag)
+            for what, t in marks.items():  # the slowest rank's mark, per iteration
+                slot = phases.setdefault(path, {}).setdefault(what, {})
+                slot[i] = max(slot.get(i, 0.0), t)
+    out = {}
+    for path, by_iter in per.items():
+        slowest = [max(v) for v in by_iter.values()]
+        out[path] = {**C.summary(slowest), "samples": slowest, "max_start_lag": late[path],
+                     "phases_p50": {what: C.quantile(list(v.values()), 0.5)
+                                    for what, v in sorted(phases.get(path, {}).items(), key=lambda kv: C.quantile(list(kv[1].values()), 0.5))}}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
+    parser.add_argument("--ranks", default="2,4,8", help="comma-separated N values")
+    parser.add_argument("--iters", type=int, default=20, help="measured iterations per path and N")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--nbytes", type=int, default=None, help="bytes per rank (default 1 MiB host, 2 MiB cuda)")
+    parser.add_argument("--lead", type=float, default=0.03, help="seconds from the barrier to the common start")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", default=None, help="JSON file or folder (default bench/results/)")
+    args = parser.parse_args()
+    args.nbytes = args.nbytes or (2 * C.MiB if args.backend == "cuda" else C.MiB)
+
+    info = {"bench": "setup_latency", "machine": C.machine(), "backend": args.backend,
+            "command": C.command_line(), "nbytes": args.nbytes, "iters": args.iters, "by_n": {}}
+    with C.Daemon(args.backend) as daemon:
+        for npes in C.parse_ints(args.ranks):
+            t0 = time.monotonic()
+            info["by_n"][str(npes)] = measure(npes, args)
+            print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
+            C.save(f"setup_latency-{args.backend}", info, args.out, quiet=True)  # what is done survives a later overrun
+        info["daemon_exit"] = daemon.stop()
+    left = C.leftover_seed_segments()
+    if left:
+        print(f"warning: seed segments left in /dev/shm: {left[:5]}")
+
+    rows = []
+    for n, paths in info["by_n"].items():
+        pf, sc, pw, sw = (paths[k] for k in ("peerd first use", "seed cold", "peerd", "seed warm"))
+        rows.append([n, C.ms(pf["p50"]), C.ms(pf["p90"]), C.ms(sc["p50"]), C.ms(sc["p90"]),
+                     C.ratio(pf["p50"], sc["p50"]),
+                     C.ms(pw["p50"]), C.ms(pw["p90"]), C.ms(sw["p50"]), C.ms(sw["p90"]),
+                     C.ratio(pw["p50"], sw["p50"]), C.ratio(pw["p90"], sw["p90"])])
+    header = ["N", "peerd 1st p50", "p90", "seed cold p50", "p90", "ratio p50",
+              "peerd p50", "p90", "seed warm p50", "p90", "ratio p50", "ratio p90"]
+    print(f"\nsetup latency, ms ({args.backend} backend, {args.nbytes} B/rank, {args.iters} iters; "
+          f"ratio = peerd / seed)")
+    print(C.table(header, rows))
+    n = list(info["by_n"])[-1]
+    print(f"\nwhere the time goes at N={n}: p50 over iterations of the slowest rank's instant, ms from the start")
+    for path, r in info["by_n"][n].items():
+        print(f"  {path:16s} " + ", ".join(f"{what} {C.ms(t)}" for what, t in r["phases_p50"].items())
+              + f", done {C.ms(r['p50'])}")
+    C.save(f"setup_latency-{args.backend}", info, args.out)
+
+
+if __name__ == "__main__":
+    main()
