@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import threading
 import time
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from peerd.paths import check_socket_path, default_socket, endpoint
 from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, decode_reply, encode_request
@@ -80,8 +80,10 @@ class Connection:
 
     def _check_lost(self) -> None:
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            # a monitor event is (uint16 event, uint32 value), then the endpoint; parsed
+            # here because zmq.utils.monitor imports asyncio, 40 ms of every worker's start
+            event = struct.unpack("=H", self._monitor.recv_multipart()[0][:2])[0]
+            if event == zmq.EVENT_DISCONNECTED:
                 self._lost = "the connection dropped: the daemon died, was restarted or stopped answering"
         if self._lost:
             raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")

@@ -76,19 +76,15 @@ def run(settings: Settings, command: tuple[str, ...]) -> None:
     Exits with CMD's status (128+N if signal N killed it), 125 if peerd run
     itself failed. Example: peerd run -- torchrun --nproc-per-node 8 serve.py
     """
-    from click.core import ParameterSource
-
     from .launcher import launch
 
-    given = click.get_current_context().get_parameter_source
-    if given("socket") is ParameterSource.COMMANDLINE:
+    loader = click.get_current_context().meta["peerd.loader"]
+    if loader.given["socket"] is not None:
         raise click.UsageError(
             "peerd run gives the job a private socket; drop --socket, or run a shared daemon "
             "with `peerd serve --socket PATH` and point PEERD_SOCKET at it"
         )
-    if given("socket_dir_mode") is ParameterSource.DEFAULT:
-        settings = replace(settings, socket_dir_mode=0o700)  # only the caller may enter
-    sys.exit(launch(settings, command))
+    sys.exit(launch(settings, loader, command))
 
 
 @main.command()

@@ -107,6 +107,8 @@ class Round:
     reasons: list[str] = field(default_factory=list)
     waiters: dict[int, Caller] = field(default_factory=dict)
     result: tuple[bool, str] | None = None
+    cancel_timer: Callable[[], None] | None = None  # its timeout, once settled
+
 
     def vote(self, rank: int, ok: bool, reason: str, caller: Caller) -> Outbox:
         self.votes[rank] = ok
@@ -123,6 +125,9 @@ class Round:
     def finish(self, ok: bool, reason: str) -> Outbox:
         """Settle the round and answer every waiter."""
         self.result = (ok, reason)
+        if self.cancel_timer is not None:
+            self.cancel_timer()
+            self.cancel_timer = None
         waiters, self.waiters = self.waiters, {}
         return [Send(c, {"ok": ok, "reason": reason}) for c in waiters.values()]
 
@@ -200,6 +205,7 @@ class BufferSet:
     commit: Round | None = None
     failure: ProtocolError | None = None
     told: set[int] = field(default_factory=set)  # ranks that have heard the failure
+    timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers
 
     @property
     def label(self) -> str:
@@ -239,23 +245,44 @@ class Registry:
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
         self.agreements: dict[str, Agreement] = {}
         self._ids = itertools.count(1)
-        self._timers: list[tuple[float, int, Callable[[float], Outbox]]] = []
+        self._timers: list[tuple[float, int]] = []  # heap of (deadline, timer id)
+        self._checks: dict[int, Callable[[float], Outbox]] = {}  # live timers by id
 
     # ------------------------------------------------------------ timers
 
-    def _at(self, deadline: float, check: Callable[[float], Outbox]) -> None:
-        heapq.heappush(self._timers, (deadline, next(self._ids), check))
+    def _at(self, deadline: float, check: Callable[[float], Outbox]) -> int:
+        """Call check(now) at deadline, unless cancelled first; the timer's id."""
+        timer = next(self._ids)
+        heapq.heappush(self._timers, (deadline, timer))
+        self._checks[timer] = check
+        return timer
+
+    def _cancel(self, *timers: int) -> None:
+        """A wait ended: drop its timers, so nothing holds the objects they refer to."""
+        for timer in timers:
+            self._checks.pop(timer, None)
+        if len(self._timers) > 64 + 2 * len(self._checks):  # mostly cancelled: compact
+            self._timers = [entry for entry in self._timers if entry[1] in self._checks]
+            heapq.heapify(self._timers)
+
+    def _round_timer(self, rnd: Round, deadline: float, check: Callable[[float], Outbox]) -> None:
+        timer = self._at(deadline, check)
+        rnd.cancel_timer = lambda: self._cancel(timer)
 
     def next_deadline(self) -> float | None:
-        """When expire() next has work (possibly a stale timer: harmless)."""
+        """When expire() next has work."""
+        while self._timers and self._timers[0][1] not in self._checks:
+            heapq.heappop(self._timers)
         return self._timers[0][0] if self._timers else None
 
     def expire(self, now: float) -> Outbox:
         """Fail every wait whose deadline has passed."""
         out: Outbox = []
         while self._timers and self._timers[0][0] <= now:
-            _, _, check = heapq.heappop(self._timers)
-            out += check(now)
+            _, timer = heapq.heappop(self._timers)
+            check = self._checks.pop(timer, None)
+            if check is not None:
+                out += check(now)
         return out
 
     # ------------------------------------------------------------ buffer sets
@@ -330,7 +357,7 @@ class Registry:
             bset.label, rank, pid, len(bset.slots), npes, req["device"],
         )
         if len(bset.slots) < npes:
-            self._at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t))
+            bset.timers.append(self._at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
             return []
         return self._open(bset, now)
 
@@ -378,6 +405,8 @@ class Registry:
     def _open(self, bset: BufferSet, now: float) -> Outbox:
         """Every rank joined: hand every rank every rank's handle in one reply."""
         bset.state = State.OPENING
+        self._cancel(*bset.timers)
+        bset.timers.clear()
         bset.commit = Round(bset.npes)
         slots = [bset.slots[r] for r in range(bset.npes)]
         body = {
@@ -425,7 +454,8 @@ class Registry:
             if len(bset.told) == bset.npes:
                 self._forget(bset)
             else:  # keep the verdict for ranks that join late, then forget it
-                self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))
+                self._cancel(*bset.timers)
+                bset.timers[:] = [self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))]
         return out
 
     def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
@@ -441,7 +471,7 @@ class Registry:
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
         if len(bset.commit.votes) == 1:
             timeout = req["timeout"] or self.agreement_timeout
-            self._at(now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
+            self._round_timer(bset.commit, now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
         if bset.commit.result is not None:
             ok, reason = bset.commit.result
             if ok:
@@ -520,10 +550,14 @@ class Registry:
             self.retired[bset.id] = bset
 
     def _forget(self, bset: BufferSet) -> Outbox:
-        if self.sets.get((bset.group, bset.name)) is bset and not bset.holders():
+        """Drop a set nobody holds, and its timers."""
+        if bset.holders():
+            return []
+        self._cancel(*bset.timers)
+        bset.timers.clear()
+        if self.sets.get((bset.group, bset.name)) is bset:
             del self.sets[(bset.group, bset.name)]
-        if not bset.holders():
-            self.retired.pop(bset.id, None)
+        self.retired.pop(bset.id, None)
         return []
 
     # ------------------------------------------------------------ tp_agree
@@ -568,16 +602,17 @@ class Registry:
         if rnd is None:
             rnd = agreement.rounds[k] = Round(npes)
             timeout = req["timeout"] or self.agreement_timeout
-            self._at(now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
-        if rnd.result is not None:
+            self._round_timer(rnd, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
+        settled = rnd.result is not None
+        if settled:
             out.append(rnd.answer(caller))
         else:
             out += rnd.vote(rank, req["ok"], "", caller)
             dead = [r for r in rnd.missing() if r in agreement.dead]
             if dead and rnd.result is None:
                 out += rnd.finish(False, self._deaths(agreement, dead))
-        if rnd.result is not None:
-            log.info("group=%s agreement round %d: %s", group, k, rnd.result[0])
+        if not settled and rnd.result is not None and not rnd.result[0]:
+            log.warning("group=%s agreement round %d: False (%s)", group, k, rnd.result[1])
         self._collect(agreement)
         return out
 
@@ -712,6 +747,7 @@ class Registry:
         self.retired.clear()
         self.agreements.clear()
         self._timers.clear()
+        self._checks.clear()
         return out
 
     # ------------------------------------------------------------ inspection

@@ -318,7 +318,6 @@ def become(spec: str) -> None:
     interpreter's own files may be unreadable to that user): the kernel then
     reports that uid on the daemon connection, opened only at the first call."""
     import torch  # noqa: F401
-    import zmq.utils.monitor  # noqa: F401
 
     import peerd_client  # noqa: F401
     import peerd_client.connection  # noqa: F401

@@ -33,6 +33,8 @@ log = logging.getLogger("peerd.backends.cuda")
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 STACK_BYTES = 0  # per-thread stack limit set on the daemon's contexts
+#: the device malloc heap (8 MiB) and printf FIFO (1 MiB) serve kernels' malloc and printf
+SMALL_LIMITS = (("cudaLimitMallocHeapSize", 0), ("cudaLimitPrintfFifoSize", 4096))
 
 
 
@@ -158,6 +160,11 @@ class Memory(MemoryBackend):
             cudart.cudaDeviceSetLimit(cudart.cudaLimit.cudaLimitStackSize, STACK_BYTES),
             f"cudaDeviceSetLimit(cudaLimitStackSize, {STACK_BYTES}) on device {ordinal}",
         )
+        for limit, value in SMALL_LIMITS:  # reservations no memset uses; worth a few MiB, not a failure
+            try:
+                _check(cudart, cudart.cudaDeviceSetLimit(getattr(cudart.cudaLimit, limit), value), limit)
+            except CudaError as err:
+                log.warning("device %d: could not shrink %s: %s", ordinal, limit, err)
         _check(cudart, cudart.cudaDeviceSynchronize(), f"cudaDeviceSynchronize on device {ordinal}")
         bus_id = _check(cudart, cudart.cudaDeviceGetPCIBusId(32, ordinal), f"cudaDeviceGetPCIBusId({ordinal})")
         device = {
@@ -172,7 +179,18 @@ class Memory(MemoryBackend):
         return device
 
     def devices(self) -> list[dict]:
-        return [dict(d) for d in self._devices]
+        """Each device, checked now: one that fails cudaMemGetInfo is reported with its error."""
+        cudart = self._rt
+        described = []
+        for d in self._devices:
+            d = dict(d)
+            try:
+                _check(cudart, cudart.cudaSetDevice(d["index"]), f"cudaSetDevice({d['index']})")
+                d["free_bytes"] = int(_check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")[0])
+            except CudaError as err:
+                d["error"] = str(err)
+            described.append(d)
+        return described
 
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         ordinal = self._ordinal.get(device)

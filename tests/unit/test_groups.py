@@ -326,6 +326,16 @@ def test_evict_frees_held_memory_and_fails_waiters(reg, mem):
     assert bodies(out)[("a", 0)]["ok"] is False
 
 
+def test_finished_waits_leave_no_timers_behind(reg, mem):
+    """A busy daemon must not grow: every settled wait drops its timer at once."""
+    for cycle in range(500):
+        live_set(reg)
+        release(reg, 0), release(reg, 1)
+        agree(reg, 0), agree(reg, 1)
+    assert reg._checks == {} and len(reg._timers) <= 64, "timers of finished waits are dropped"
+    assert mem.live == {} and reg.sets == {}
+
+
 def test_listing_shows_state_ranks_and_pids(reg):
     join(reg, 0, now=1.0)
     (entry,) = reg.listing(now=3.5)

@@ -1,0 +1,192 @@
+"""`peerd run` as a user runs it: the launcher, its daemon and the job as real processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+import termios
+
+import click
+import pytest
+
+from peerd.launcher import serve_argv
+from peerd.settings import Loader, Settings, serve_options
+from tests.conftest import HERE, SHM, wait_until
+
+PATIENCE_S = 90  # what a loaded 2-core machine may need to start four torch processes
+
+
+def launch(*command: str, serve: tuple[str, ...] = (), **popen) -> subprocess.Popen:
+    """`peerd run` with a host-backend daemon; the PEERD_SOCKET it inherits points nowhere."""
+    popen.setdefault("stdin", subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "peerd", "run", "--backend", "host", *serve, "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PEERD_SOCKET": "/nonexistent/peerd.sock", "PYTHONUNBUFFERED": "1"},
+        **popen,
+    )
+
+
+def rank(scenario: str, *args: str, npes: int = 1) -> list[str]:
+    return [sys.executable, str(HERE / "rank.py"), scenario, "--rank", "0", "--npes", str(npes), *args]
+
+
+def ready(proc: subprocess.Popen, timeout: float = PATIENCE_S) -> dict:
+    """What the job printed on its READY line."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        proc.kill()
+        raise AssertionError(f"the job printed nothing within {timeout}s:\n{proc.communicate()[1]}")
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"{line!r}\n{proc.communicate()[1]}"
+    return json.loads(line[len("READY"):].strip() or "{}")
+
+
+def finish(proc: subprocess.Popen, stdin: str | None = None) -> tuple[dict, str]:
+    """The job's JSON result and peerd run's stderr."""
+    out, err = proc.communicate(stdin, timeout=PATIENCE_S)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return (json.loads(lines[-1]) if lines else {}), err
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def assert_nothing_left(where: dict) -> None:
+    assert not os.path.exists(os.path.dirname(where["socket"])), "socket directory left behind"
+    assert not list(SHM.glob(f"peerd-{where['daemon']}-*")), "shared memory left behind"
+    assert not alive(where["daemon"]), "daemon left running"
+
+
+def test_a_job_of_four_ranks_shares_its_daemon_and_leaves_nothing():
+    proc = launch(*rank("job", "--group", "launched", npes=4))
+    result, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert result["ok"], result
+    assert [r["rank"] for r in result["ranks"]] == [0, 1, 2, 3]
+    for r in result["ranks"]:
+        assert r["ok"] and r["zero"] and r["closed"], r
+        assert r["seen"] == [[peer + 1, peer + 1] for peer in range(4)], r
+    assert result["socket"] != "/nonexistent/peerd.sock"
+    assert_nothing_left(result)
+
+
+def test_exit_codes_pass_through():
+    done = subprocess.run(
+        [sys.executable, "-m", "peerd", "run", "--backend", "host", "--log-level", "warning", "--",
+         sys.executable, "-c", "raise SystemExit(7)"],
+        capture_output=True, text=True, timeout=PATIENCE_S,
+    )
+    assert done.returncode == 7, done.stderr
+    missing = launch("peerd-test-no-such-command")
+    _, err = finish(missing)
+    assert missing.returncode == 127
+    assert "peerd run: cannot run 'peerd-test-no-such-command': no such command" in err
+
+
+def test_a_killed_job_gives_128_plus_its_signal_and_leaves_nothing():
+    proc = launch(*rank("held"))
+    where = ready(proc)
+    assert stat.S_IMODE(os.stat(os.path.dirname(where["socket"])).st_mode) == 0o700
+    assert list(SHM.glob(f"peerd-{where['daemon']}-*")), "the job's buffer should exist"
+    os.kill(where["pid"], signal.SIGKILL)
+    _, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert_nothing_left(where)
+
+
+def test_sigterm_to_peerd_run_stops_the_job_then_the_daemon():
+    proc = launch(*rank("held"))
+    where = ready(proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not alive(where["pid"])
+    assert_nothing_left(where)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_sent_to_peerd_run_reaches_the_job_once(sig):
+    proc = launch(*rank("signals"))
+    ready(proc)
+    proc.send_signal(sig)
+    result, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert result["received"] == [sig.name]
+
+
+def test_ctrl_c_at_a_terminal_reaches_the_job_once():
+    """The terminal signals the whole foreground group; peerd run must not add a second SIGINT."""
+    controller, terminal = os.openpty()
+    try:
+        proc = launch(
+            *rank("signals"),
+            stdin=terminal,
+            start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),  # our pty becomes its terminal
+        )
+        ready(proc)
+        os.write(controller, b"\x03")  # Ctrl-C
+        result, err = finish(proc)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    assert proc.returncode == 0, err
+    assert result["received"] == ["SIGINT"]
+
+
+def test_a_daemon_that_dies_first_is_reported_and_the_job_told():
+    proc = launch(*rank("held"))
+    where = ready(proc)
+    os.kill(where["daemon"], signal.SIGKILL)
+    wait_until(lambda: not alive(where["daemon"]), 10, "peerd run to reap its daemon")
+    result, err = finish(proc, stdin="go on\n")
+    assert proc.returncode == 125, err
+    assert "went away" in result["after"], result
+    reports = [line for line in err.splitlines() if line.startswith("peerd run:")]
+    assert len(reports) == 1 and f"the daemon (pid {where['daemon']}) was killed by SIGKILL" in reports[0], err
+    assert_nothing_left(where)
+
+
+def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs():
+    proc = launch(sys.executable, "-c", "print('ran')", serve=("--socket-group", "peerd-test-no-such-group"))
+    out, err = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 125 and "ran" not in out
+    assert "no such group 'peerd-test-no-such-group'" in err
+    assert "peerd run: the daemon exited with code 1 before it answered" in err
+
+
+def test_socket_is_the_launchers_to_choose():
+    done = subprocess.run([sys.executable, "-m", "peerd", "run", "--socket", "/tmp/x.sock", "--", "true"],
+                          capture_output=True, text=True, timeout=PATIENCE_S)
+    assert done.returncode == 2 and "drop --socket" in done.stderr
+
+
+def test_the_daemon_gets_the_serve_options_given_to_peerd_run(tmp_path):
+    @click.command()
+    @serve_options
+    def parse(settings: Settings) -> Loader:
+        return click.get_current_context().meta["peerd.loader"]
+
+    config = tmp_path / "peerd.toml"
+    config.write_text('backend = "host"\n')
+    options = ["--config", str(config), "--log-level", "debug", "--rendezvous-timeout", "1.5", "--socket-group", "0",
+               "--allow-uid", "5", "--allow-uid", "6", "--max-bytes-per-uid", "4KiB", "--shutdown-grace", "2"]
+    given = parse.main(options, standalone_mode=False)
+    passed_on = parse.main(serve_argv(given, "/tmp/x.sock"), standalone_mode=False)
+    assert passed_on.config == str(config)
+    assert passed_on.given == {**given.given, "socket": "/tmp/x.sock", "socket_dir_mode": 0o700}
+    chosen = parse.main(["--socket-dir-mode", "0750"], standalone_mode=False)
+    assert parse.main(serve_argv(chosen, "/tmp/x.sock"), standalone_mode=False).given["socket_dir_mode"] == 0o750
