@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peerd_client.connection import daemon_answers
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 SHM_DIR = "/dev/shm"
@@ -203,16 +205,6 @@ def free_ports(count: int) -> list[int]:
 # ---------------------------------------------------------------- the daemon
 
 
-def _answers(path: str) -> bool:
-    from peerd_client.connection import Connection
-    from peerd_client.errors import DaemonUnavailable
-
-    try:
-        Connection(path, connect_timeout=0.5).close()
-        return True
-    except DaemonUnavailable:
-        return False
-
 
 class Daemon:
     """``python -m peerd serve`` on a private socket under /tmp (short: < 108 bytes)."""
@@ -232,7 +224,7 @@ class Daemon:
         self.proc = subprocess.Popen(self.command, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      env=self.env, cwd=ROOT)
         deadline = time.monotonic() + timeout
-        while not (os.path.exists(self.socket) and _answers(self.socket)):
+        while not (os.path.exists(self.socket) and daemon_answers(self.socket)):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"peerd exited {self.proc.returncode} at start:\n{self.log.read_text()}")
             if time.monotonic() > deadline:

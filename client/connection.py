@@ -120,6 +120,15 @@ class Connection:
                 raise MonoUnsupported(reply.error.message, reply.error.code.value)
 
 
+def daemon_answers(path: str, timeout: float = 0.5) -> bool:
+    """Whether a daemon answers at path within timeout: for launchers and readiness checks."""
+    try:
+        Connection(path, connect_timeout=timeout).close()
+        return True
+    except DaemonUnavailable:
+        return False
+
+
 _connection: Connection | None = None
 _connection_lock = threading.Lock()
 

@@ -140,8 +140,10 @@ class JobDaemon:
 
     def wait_until_serving(self) -> None:
         """Return once it answers; LaunchFailed if it exits, never answers, or a signal comes first."""
+        from peerd_client.connection import daemon_answers
+
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers(self.socket):
+        while not daemon_answers(self.socket):
             if self.proc.poll() is not None:
                 raise LaunchFailed(f"the daemon {self._ended()} before it answered on {self.socket}; its log is above")
             if time.monotonic() > deadline:
@@ -220,16 +222,6 @@ def _private_dir() -> str:
         "and /tmp; point TMPDIR at a short one"
     )
 
-
-def _answers(socket: str) -> bool:
-    from peerd_client.connection import Connection
-    from peerd_client.errors import DaemonUnavailable
-
-    try:
-        Connection(socket, connect_timeout=0.5).close()
-        return True
-    except DaemonUnavailable:
-        return False
 
 
 # preexec_fn is safe here: the launcher has no other thread when it starts a

@@ -40,15 +40,16 @@ class ByteSize(click.ParamType):
 
     name = "size"
 
-    def convert(self, value: Any, param, ctx) -> int | None:
-        if value is None or isinstance(value, int):
-            return value or None
-        match = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", str(value).lower())
+    def convert(self, value: Any, param, ctx) -> int:
+        """Bytes; 0 stands for no limit (so "none" given on the command line is told from nothing given)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
         if str(value).strip().lower() == "none":
-            return None
+            return 0
+        match = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", str(value).lower())
         if not match:
             self.fail(f"{value!r} is not a size like 4096, 64MiB or 16G (or 'none')", param, ctx)
-        return int(match.group(1)) * _UNITS[match.group(2) or ""] or None
+        return int(match.group(1)) * _UNITS[match.group(2) or ""]
 
 
 class OctalMode(click.ParamType):
@@ -123,7 +124,7 @@ class Settings:
     allow_uid: tuple[int, ...] = ()
     allow_gid: tuple[str, ...] = ()
     max_buffer_bytes: int | None = Limits.max_buffer_bytes
-    max_bytes_per_uid: int | None = None
+    max_bytes_per_uid: int | None = None  # None or 0: no limit
     max_bytes_per_device: int | None = None
     max_groups: int = Limits.max_groups
     max_ranks: int = Limits.max_ranks
@@ -133,8 +134,8 @@ class Settings:
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.max_buffer_bytes, self.max_bytes_per_uid, self.max_bytes_per_device,
-                      self.max_groups, self.max_ranks)
+        return Limits(self.max_buffer_bytes or None, self.max_bytes_per_uid or None,
+                      self.max_bytes_per_device or None, self.max_groups, self.max_ranks)
 
 
 class ConfigError(click.ClickException):
@@ -240,7 +241,7 @@ def serve_options(function: Callable) -> Callable:
 
 
 def _shown(option: Option) -> str:
-    if option.default is None:
+    if option.default is None or (isinstance(option.type, ByteSize) and not option.default):
         return "none"
     if isinstance(option.type, OctalMode):
         return f"{option.default:04o}"

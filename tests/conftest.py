@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from peerd_client.connection import daemon_answers
+
 HERE = Path(__file__).parent
 SHM = Path("/dev/shm")
 
@@ -27,16 +29,6 @@ def wait_until(predicate, timeout: float, what: str) -> None:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
 
-
-def answers(socket: str) -> bool:
-    from peerd_client.connection import Connection
-    from peerd_client.errors import DaemonUnavailable
-
-    try:
-        Connection(socket, connect_timeout=0.5).close()
-        return True
-    except DaemonUnavailable:
-        return False
 
 
 @dataclass
@@ -59,7 +51,7 @@ class Daemon:
             stderr=subprocess.STDOUT,
             env={**self.env(), **self.daemon_env},
         )
-        wait_until(lambda: answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
+        wait_until(lambda: daemon_answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
         assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"
         return self
 

@@ -58,11 +58,15 @@ def agree(args) -> dict:
 
 
 def join(args) -> dict:
-    """Join and hold the buffer set for --hold seconds."""
+    """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin)."""
     from peerd_client import PeerBuffer
 
     with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name, timeout=args.timeout) as buf:
-        time.sleep(args.hold)
+        if args.hold < 0:
+            print("READY", flush=True)
+            sys.stdin.readline()
+        else:
+            time.sleep(args.hold)
         return {"pointers": len(buf.pointers)}
 
 

@@ -187,7 +187,8 @@ def test_the_device_limit(socket_dir):
 def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, probe_user):
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
     try:
-        holders = [start_rank(d, "join", r, 2, "--group", "stuck", "--hold", "10") for r in (0, 1)]
+        holders = [start_rank(d, "join", r, 2, "--group", "stuck", "--hold", "-1", stdin=subprocess.PIPE)
+                   for r in (0, 1)]
         wait_until(lambda: "group=stuck name=default live" in d.logs(), 90, "the set to go live")
         refused = call(d, "evict", {"group": "stuck"}, *as_user(probe_user))
         assert refused["code"] == "FORBIDDEN" and "only root or uid" in refused["message"]
@@ -198,7 +199,9 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
         assert d.segments() == [] and json.loads(d.cli("ls", "--json").stdout) == []
         assert "evicts group=stuck" in d.logs() and "may still touch the freed memory" in d.logs()
         assert d.cli("evict", "stuck", "--yes").returncode == 1, "nothing left to evict"
-        for p in holders:  # they close when their hold ends, after the eviction
+        for p in holders:  # now they close, after the eviction
+            p.stdin.write("go\n")
+            p.stdin.flush()
             assert finish(p)["ok"], "a holder's late close after an eviction must not crash it"
     finally:
         assert d.stop() == 0
