@@ -155,6 +155,9 @@ class PeerBuffer:
         closing never pulls memory from under a peer. Never raises: a daemon
         that went away has freed everything already.
         """
+        self._close(wait=True)
+
+    def _close(self, wait: bool) -> None:
         if os.getpid() != self._pid:
             return  # a forked child holds nothing of its parent's
         self._bytes = self._addresses = None
@@ -168,8 +171,12 @@ class PeerBuffer:
         if self._released:
             return
         self._released = True
+        slot = {"group": self.group_key, "name": self.name, "rank": self.rank}
         try:
-            self._conn.call("release", {"group": self.group_key, "name": self.name, "rank": self.rank})
+            if wait:
+                self._conn.call("release", slot)
+            else:
+                self._conn.send_later("release", slot)
         except MonoUnsupported as err:
             log.warning("release of group=%s name=%s rank %d: %s", self.group_key, self.name, self.rank, err)
 
@@ -181,6 +188,6 @@ class PeerBuffer:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(wait=False)  # never block inside a garbage-collection pass
         except Exception:  # interpreter shutdown: nothing left to report to
             pass

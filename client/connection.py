@@ -42,6 +42,7 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lost: str | None = None
+        self._deferred: list[bytes] = []  # requests no one waits for, sent before the next call
         if not os.path.exists(self.path):
             raise DaemonUnavailable(
                 f"no peerd daemon socket at {self.path}: start one with `peerd serve`, "
@@ -92,6 +93,8 @@ class Connection:
         """Send one request; its reply body, or the daemon's error as MonoUnsupported."""
         with self._lock:
             self._check_lost()
+            while self._deferred:
+                self._sock.send(self._deferred.pop(0))
             request_id = next(self._ids)
             self._sock.send(encode_request(request_id, op, body))
             deadline = time.monotonic() + timeout
@@ -118,6 +121,25 @@ class Connection:
                 if reply.ok:
                     return reply.body
                 raise MonoUnsupported(reply.error.message, reply.error.code.value)
+
+
+    def send_later(self, op: str, body: dict[str, Any]) -> None:
+        """Send a request whose answer nobody waits for (its reply is skipped as stray).
+
+        For finalizers: a garbage-collection pass can run inside call() on this
+        very thread, where taking the lock would deadlock; then the request
+        waits for the next call. A process that never calls again is released
+        by the daemon when it exits.
+        """
+        frame = encode_request(next(self._ids), op, body)
+        if not self._lock.acquire(blocking=False):
+            self._deferred.append(frame)
+            return
+        try:
+            self._check_lost()
+            self._sock.send(frame)
+        finally:
+            self._lock.release()
 
 
 def daemon_answers(path: str, timeout: float = 0.5) -> bool:

@@ -93,15 +93,19 @@ def process_group(args) -> dict:
 
 
 def dropped(args) -> dict:
-    """Build a buffer, then drop it without close(): collection must release it."""
+    """Build a buffer, then drop it without close(): collection must release it,
+    even when the collection runs while this thread is inside a call (it holds
+    the connection's lock then: a finalizer that waited for it would hang)."""
     import gc
 
     from peerd_client import PeerBuffer, tp_agree
     from peerd_client.connection import connection
 
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    buf.cycle = buf  # only the cycle collector can free it
     del buf
-    gc.collect()
+    with connection()._lock:  # as if a garbage-collection pass ran inside call()
+        gc.collect()
     assert tp_agree(True, args.group, args.rank, args.npes)  # every rank dropped its buffer
     listing = connection().call("ls", {})["groups"]
     return {"left": [g for g in listing if g["group"] == args.group]}
