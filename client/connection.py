@@ -58,6 +58,9 @@ class Connection:
         ):
             self._sock.setsockopt(option, value)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()  # one per connection: the round trip is the hot path
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint(self.path))
         try:
             self.hello = self.call("hello", {}, timeout=connect_timeout)
@@ -98,9 +101,7 @@ class Connection:
             request_id = next(self._ids)
             self._sock.send(encode_request(request_id, op, body))
             deadline = time.monotonic() + timeout
-            poller = zmq.Poller()
-            poller.register(self._sock, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
+            poller = self._poller
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
