@@ -80,9 +80,9 @@ class PeerBuffer:
         remember(member)
 
         failure, pointers = None, []
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # handles open in the current device's context
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # handles open in the current device's context
             for handle, size in zip(joined["handles"], joined["sizes"]):
                 pointers.append(mappings.open(self._mapper, handle, size))
                 self._handles.append(handle)

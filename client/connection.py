@@ -33,6 +33,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: how much longer than the daemon's own deadline a client waits for its verdict
 GRACE_S = 5.0
+CLOSED = "closed"
 
 
 class Connection:
@@ -42,6 +43,7 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lost: str | None = None
+        self._owner: int | None = None  # the thread inside call(), if any
         self._deferred: list[bytes] = []  # requests no one waits for, sent before the next call
         if not os.path.exists(self.path):
             raise DaemonUnavailable(
@@ -77,12 +79,21 @@ class Connection:
     def close(self) -> None:
         if os.getpid() != self.pid:
             return  # a forked child must not tear down its parent's sockets
+        with self._lock:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._lost == CLOSED:
+            return
+        self._lost = CLOSED  # PeerBuffers still holding this connection get DaemonUnavailable
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
     def _check_lost(self) -> None:
+        if self._lost == CLOSED:
+            raise DaemonUnavailable(f"this connection to {self.path} was closed (the daemon went away earlier)")
         while self._monitor.poll(0):
             # a monitor event is (uint16 event, uint32 value), then the endpoint; parsed
             # here because zmq.utils.monitor imports asyncio, 40 ms of every worker's start
@@ -95,46 +106,55 @@ class Connection:
     def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
         """Send one request; its reply body, or the daemon's error as MonoUnsupported."""
         with self._lock:
-            self._check_lost()
-            while self._deferred:
-                self._sock.send(self._deferred.pop(0))
-            request_id = next(self._ids)
-            self._sock.send(encode_request(request_id, op, body))
-            deadline = time.monotonic() + timeout
-            poller = self._poller
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DaemonUnavailable(
-                        f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s"
-                    )
-                events = dict(poller.poll(int(left * 1000) + 1))
-                if self._monitor in events:
-                    self._check_lost()
-                if self._sock not in events:
-                    continue
-                try:
-                    reply = decode_reply(self._sock.recv())
-                except ProtocolError as err:
-                    raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value)
-                if reply.id != request_id:
-                    continue  # the late answer to a call that gave up
-                if reply.ok:
-                    return reply.body
-                raise MonoUnsupported(reply.error.message, reply.error.code.value)
+            self._owner = threading.get_ident()
+            try:
+                return self._call(op, body, timeout)
+            finally:
+                self._owner = None
 
+    def _call(self, op: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self._check_lost()
+        while self._deferred:
+            self._sock.send(self._deferred.pop(0))
+        request_id = next(self._ids)
+        self._sock.send(encode_request(request_id, op, body))
+        deadline = time.monotonic() + timeout
+        poller = self._poller
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DaemonUnavailable(
+                    f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s"
+                )
+            events = dict(poller.poll(int(left * 1000) + 1))
+            if self._monitor in events:
+                self._check_lost()
+            if self._sock not in events:
+                continue
+            try:
+                reply = decode_reply(self._sock.recv())
+            except ProtocolError as err:
+                raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value)
+            if reply.id != request_id:
+                continue  # the late answer to a call that gave up
+            if reply.ok:
+                return reply.body
+            raise MonoUnsupported(reply.error.message, reply.error.code.value)
 
     def send_later(self, op: str, body: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (its reply is skipped as stray).
 
         For finalizers: a garbage-collection pass can run inside call() on this
         very thread, where taking the lock would deadlock; then the request
-        waits for the next call. A process that never calls again is released
-        by the daemon when it exits.
+        waits for the next call (a process that never calls again is released
+        by the daemon when it exits). From any other thread it goes out now.
         """
         frame = encode_request(next(self._ids), op, body)
-        if not self._lock.acquire(blocking=False):
+        if self._owner == threading.get_ident():  # inside call() on this thread: taking the lock would hang
             self._deferred.append(frame)
+            return
+        if not self._lock.acquire(timeout=REQUEST_TIMEOUT_S):
+            self._deferred.append(frame)  # another thread is in a long call: it goes out after that
             return
         try:
             self._check_lost()

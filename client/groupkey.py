@@ -10,6 +10,7 @@ or two groups of one job, never share a key even on one node.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -28,6 +29,14 @@ _pg_keys: dict[int, tuple[object, str]] = {}  # id(pg) -> (pg kept alive, key)
 _lock = threading.Lock()
 #: rank and npes of every string-keyed group this process joined, for tp_agree
 _joined: dict[str, Membership] = {}
+
+
+def _forget_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # a forked child must not inherit a lock held across store.wait
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def remember(member: Membership) -> None:

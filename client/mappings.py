@@ -1,8 +1,9 @@
 """Opened handles, cached per process and counted.
 
 A handle names a whole allocation, and the driver maps it at most once per
-process (CUDA refuses a second cudaIpcOpenMemHandle of the same handle; HIP
-may hand back a different pointer each time). So every PeerBuffer of this
+process (depending on the version, CUDA refuses or reference-counts a
+second cudaIpcOpenMemHandle of one handle; HIP may hand back a different
+pointer each time). So every PeerBuffer of this
 process that needs a handle shares one mapping, keyed by the handle bytes,
 never by the pointer, and the mapping is closed when its last user lets go.
 A forked child inherits none of it: its driver state is not its parent's.
@@ -27,7 +28,8 @@ class _Mapping:
 
 class MappingCache:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # reentrant: a garbage-collection pass inside open() may close a collected buffer's mappings
+        self._lock = threading.RLock()
         self._open: dict[bytes, _Mapping] = {}
 
     def open(self, mapper: Mapper, handle: bytes, size: int) -> int:
@@ -51,7 +53,7 @@ class MappingCache:
 
     def forget(self) -> None:
         self._open = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
 
 mappings = MappingCache()

@@ -206,6 +206,7 @@ class BufferSet:
     failure: ProtocolError | None = None
     told: set[int] = field(default_factory=set)  # ranks that have heard the failure
     timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers
+    patience: float = 0.0  # the longest rendezvous timeout a rank asked for
 
     @property
     def label(self) -> str:
@@ -331,7 +332,7 @@ class Registry:
             problem = self._mismatch(bset, req)
             if problem:
                 bset.told.add(rank)
-                return self._fail_set(bset, ErrorCode.MISMATCH, problem, [caller])
+                return self._fail_set(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
             taken = bset.slots.get(rank)
             if taken is not None:
                 return [
@@ -344,14 +345,16 @@ class Registry:
         refusal = self._usage_limits(bset.nbytes, uid, req["device"])
         if refusal:
             bset.told.add(rank)
-            return self._fail_set(bset, ErrorCode.LIMIT_EXCEEDED, f"rank {rank} (pid {pid}): {refusal}", [caller])
+            message = f"rank {rank} (pid {pid}): {refusal}"
+            return self._fail_set(bset, ErrorCode.LIMIT_EXCEEDED, message, [caller], now=now)
         try:
             allocation = self._allocate(bset.nbytes, req["device"], bset.flags, bset.owner_uid)
         except ProtocolError as err:
             bset.told.add(rank)
-            return self._fail_set(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller])
+            return self._fail_set(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._account(uid, allocation.device, allocation.size)
         bset.slots[rank] = Slot(rank, pid, uid, req["device"], allocation, now, waiter=caller)
+        bset.patience = max(bset.patience, timeout)
         log.info(
             "%s rank=%d pid=%d joined (%d/%d) device=%s",
             bset.label, rank, pid, len(bset.slots), npes, req["device"],
@@ -430,10 +433,10 @@ class Registry:
             f"rendezvous of {bset.label} timed out after {waited:.1f}s: "
             f"rank(s) {bset.missing()} of {bset.npes} never joined (joined: {bset.who()})"
         )
-        return self._fail_set(bset, ErrorCode.TIMEOUT, message)
+        return self._fail_set(bset, ErrorCode.TIMEOUT, message, now=now)
 
     def _fail_set(
-        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = ()
+        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = (), now: float | None = None
     ) -> Outbox:
         """Fail a set for every rank waiting on it (and ``extra`` callers)."""
         error = ProtocolError(code, message)
@@ -455,7 +458,8 @@ class Registry:
                 self._forget(bset)
             else:  # keep the verdict for ranks that join late, then forget it
                 self._cancel(*bset.timers)
-                bset.timers[:] = [self._at(bset.created + 2 * self.rendezvous_timeout, lambda t, b=bset: self._forget(b))]
+                keep = (now if now is not None else bset.created) + 2 * max(self.rendezvous_timeout, bset.patience)
+                bset.timers[:] = [self._at(keep, lambda t, b=bset: self._forget(b))]
         return out
 
     def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
@@ -468,10 +472,10 @@ class Registry:
             return [bset.commit.answer(caller)]
         if req["rank"] in bset.commit.votes:
             return [_fail(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
-        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
-        if len(bset.commit.votes) == 1:
+        if not bset.commit.votes:
             timeout = req["timeout"] or self.agreement_timeout
             self._round_timer(bset.commit, now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
+        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
         if bset.commit.result is not None:
             ok, reason = bset.commit.result
             if ok:
@@ -499,8 +503,12 @@ class Registry:
         slot = bset.slots[req["rank"]]
         if bset.state is State.JOINING:
             message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before every rank joined"
-            return self._fail_set(bset, ErrorCode.GROUP_FAILED, message) + [Send(caller, {"freed": True})]
-        return [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
+            return self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
+        out: Outbox = []
+        if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
+            out = self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now)
+        return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
 
     def _member_set(self, req: dict[str, Any], pid: int) -> tuple[BufferSet | None, ProtocolError | None]:
         """The set in which ``pid`` holds ``rank``, or why there is none."""
@@ -540,7 +548,10 @@ class Registry:
             if s.allocation is not None:
                 allocation, s.allocation = s.allocation, None
                 self._account(s.uid, allocation.device, -allocation.size)
-                self._free(allocation)
+                try:
+                    self._free(allocation)
+                except Exception:  # a failing driver must not strand the rest of the set
+                    log.exception("%s: freeing rank %d's buffer failed", bset.label, s.rank)
         log.info("%s freed", bset.label)
 
     def _retire(self, bset: BufferSet) -> None:
@@ -687,7 +698,7 @@ class Registry:
                 if bset.state is State.JOINING:
                     slot.waiter = None
                     bset.told.add(slot.rank)  # the dead need no verdict
-                    out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before every rank joined")
+                    out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before every rank joined", now=now)
                     break
                 if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
                     out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")

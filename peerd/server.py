@@ -119,7 +119,7 @@ class Daemon:
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes or -1)  # 0: no limit
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -181,13 +181,14 @@ class Daemon:
         self._notifier.reloading()
         try:
             fresh, _ = self._loader.load()
+            allowlist = Allowlist.build(
+                fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid
+            )
         except Exception as err:  # a bad file must not take a serving daemon down
             log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", err)
             self._notifier.reloaded(self._summary())
             return
-        self.allowlist = Allowlist.build(
-            fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid
-        )
+        self.allowlist = allowlist
         logging.getLogger().setLevel(fresh.log_level.upper())
         self.registry.limits = fresh.limits
         self.registry.rendezvous_timeout = fresh.rendezvous_timeout
@@ -231,25 +232,32 @@ class Daemon:
         self._poller = poller
         while not self._stopping:
             events = dict(poller.poll(self._poll_timeout_ms()))
-            now = time.monotonic()
-            out: Outbox = []
-            if self._wake_r.fileno() in events:  # zmq reports plain sockets by fd
-                self._wake_r.recv(4096)
-                out += self._handle_signals(now)
-            if self._router in events:
-                out += self._drain_router()
-            readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]
-            for fd in readable:
-                poller.unregister(fd)
-            for pid in [self._watcher.died(fd) for fd in readable] + self._watcher.sweep():
-                out += self.registry.process_died(pid, now)
-            out += self.registry.expire(time.monotonic())
-            self._deliver(out)
-            if now >= self._next_tick:
-                self._tick(now)
-            if self._drain_until is not None and (now >= self._drain_until or not self.registry.held()):
-                self._stopping = True
+            try:
+                self._turn(events)
+            except Exception:  # a bug or a failing driver must cost one event, never the daemon
+                log.exception("the daemon loop hit an error; serving on")
 
+    def _turn(self, events: dict) -> None:
+        """One pass of the loop: signals, messages, deaths, timers, then the replies."""
+        poller = self._poller
+        now = time.monotonic()
+        out: Outbox = []
+        if self._wake_r.fileno() in events:  # zmq reports plain sockets by fd
+            self._wake_r.recv(4096)
+            out += self._handle_signals(now)
+        if self._router in events:
+            out += self._drain_router()
+        readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]
+        for fd in readable:
+            poller.unregister(fd)
+        for pid in [self._watcher.died(fd) for fd in readable] + self._watcher.sweep():
+            out += self.registry.process_died(pid, now)
+        out += self.registry.expire(time.monotonic())
+        self._deliver(out)
+        if now >= self._next_tick:
+            self._tick(now)
+        if self._drain_until is not None and (now >= self._drain_until or not self.registry.held()):
+            self._stopping = True
 
     def _tick(self, now: float) -> None:
         """Once a second, or each watchdog interval: ping systemd, refresh STATUS=."""
@@ -293,7 +301,7 @@ class Daemon:
         if not self.allowlist.allows(who.uid, who.gid, who.pid):
             return self._refuse(identity, who, payload.bytes)
         try:
-            request = decode_request(payload.bytes, self.settings.max_message_bytes)
+            request = decode_request(payload.bytes, self.settings.max_message_bytes or len(payload.bytes))
         except ProtocolError as err:
             log.warning("pid %d sent a bad request: %s", who.pid, err)
             return [Send((identity, err.request_id), error=err)]

@@ -236,8 +236,8 @@ class Memory(MemoryBackend):
 class Mapper(MapperBase):
     """The worker's half: opens handles in the calling thread's current device context.
 
-    Opening a handle twice in one process is reference-counted by CUDA; the
-    client caches opened handles, so each is opened once per process.
+    A second open of one handle in a process is refused or reference-counted,
+    depending on the CUDA version: the client's cache opens each handle once.
     """
 
     def __init__(self) -> None:

@@ -42,6 +42,8 @@ def sweep_orphans() -> list[str]:
                 swept.append(entry)
             except FileNotFoundError:
                 pass
+            except OSError as err:  # another user's, in sticky /dev/shm: not ours to remove
+                log.warning("cannot remove orphaned shared memory %s: %s", entry, err)
     if swept:
         log.warning("removed %d shared-memory segment(s) left by a dead daemon", len(swept))
     return swept
@@ -79,7 +81,7 @@ class Memory(MemoryBackend):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             self._share(fd, uid)
-            os.ftruncate(fd, size)  # zero-filled by the kernel
+            os.posix_fallocate(fd, 0, size)  # zero-filled, and really reserved: no SIGBUS on first touch
         except OSError as err:
             os.unlink(path)
             raise ProtocolError(

@@ -170,9 +170,12 @@ def test_sighup_rereads_the_allowlist_and_the_log_level(socket_dir):
         status = json.loads(d.cli("status", "--json").stdout)
         assert 4242 in status["allowed"]["uids"] and status["limits"]["max_groups"] == 5
         assert "log level debug; changed but needing a restart: metrics_port" in d.logs()
-        config.write_text("allow_uid = 'x'\n")
-        d.proc.send_signal(signal.SIGHUP)
-        wait_until(lambda: "configuration not reloaded" in d.logs(), 10, "the refused reload")
-        assert 4242 in json.loads(d.cli("status", "--json").stdout)["allowed"]["uids"], "the old one stays"
+        for bad in ("allow_uid = 'x'\n", "allow_gid = ['no-such-group-xyz']\n"):
+            config.write_text(bad)
+            refused = d.logs().count("configuration not reloaded")
+            d.proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: d.logs().count("configuration not reloaded") > refused, 10, "the refused reload")
+            assert d.proc.poll() is None, "a bad reload must not stop the daemon"
+            assert 4242 in json.loads(d.cli("status", "--json").stdout)["allowed"]["uids"], "the old one stays"
     finally:
         assert d.stop() == 0

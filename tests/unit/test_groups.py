@@ -336,6 +336,43 @@ def test_finished_waits_leave_no_timers_behind(reg, mem):
     assert mem.live == {} and reg.sets == {}
 
 
+def test_a_rank_releasing_before_it_voted_fails_the_others_at_once(reg):
+    join(reg, 0), join(reg, 1)
+    commit(reg, 0)
+    out = reg.release(("r", 1), 101, {"group": "g", "name": "n", "rank": 1}, 1.0)
+    verdict = bodies(out)[("v", 0)]
+    assert verdict["ok"] is False and "rank 1 (pid 101)" in verdict["reason"] and "released before" in verdict["reason"]
+
+
+def test_single_rank_sets_leave_no_timers(reg):
+    for _ in range(100):
+        join(reg, 0, npes=1), commit(reg, 0), release(reg, 0)
+    assert reg._checks == {}
+
+
+def test_a_late_rank_hears_a_failure_for_as_long_as_the_longest_timeout(reg):
+    join(reg, 0, npes=3, timeout=300)
+    reg.expire(300.0)  # the rendezvous times out at t=300, past the daemon's default of 10
+    late = errors(join(reg, 2, npes=3, now=400.0))[("c", 2)]
+    assert late.code is ErrorCode.TIMEOUT, "the verdict outlives the daemon's default timeout"
+
+
+def test_a_failing_free_does_not_strand_the_rest(reg, mem):
+    live_set(reg, npes=3)
+    real_free, calls = mem.free, []
+
+    def flaky(allocation):
+        calls.append(allocation.handle)
+        if len(calls) == 1:
+            raise RuntimeError("cudaErrorIllegalAddress")
+        real_free(allocation)
+
+    reg._free = flaky
+    for r in range(3):
+        release(reg, r)
+    assert len(calls) == 3 and reg.sets == {} and reg.bytes_by_device == {}
+
+
 def test_listing_shows_state_ranks_and_pids(reg):
     join(reg, 0, now=1.0)
     (entry,) = reg.listing(now=3.5)
