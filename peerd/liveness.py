@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 log = logging.getLogger("peerd.liveness")
 
@@ -33,6 +34,7 @@ class PidWatcher:
         self._pids: set[int] = set()
         self.polling = not hasattr(os, "pidfd_open")
         self._dead: list[int] = []
+        self._next_poll = 0.0
 
     def watch(self, pid: int) -> int | None:
         """Start watching pid; the new pidfd to poll, if one was made."""
@@ -63,9 +65,10 @@ class PidWatcher:
     def sweep(self) -> list[int]:
         """Pids found dead without a pidfd (at watch time, or by polling)."""
         dead, self._dead = self._dead, []
-        if self.polling:
-            polled = [pid for pid in self._pids - set(self.fds.values()) if not pid_alive(pid)]
-            dead += polled
+        now = time.monotonic()
+        if self.polling and now >= self._next_poll:  # not on every message: once per interval
+            self._next_poll = now + POLL_INTERVAL
+            dead += [pid for pid in self._pids - set(self.fds.values()) if not pid_alive(pid)]
         for pid in dead:
             self._pids.discard(pid)
         return dead
