@@ -127,9 +127,9 @@ class Connection:
                     f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s"
                 )
             events = dict(poller.poll(int(left * 1000) + 1))
-            if self._monitor in events:
-                self._check_lost()
             if self._sock not in events:
+                if self._monitor in events:  # only once every reply that came is read
+                    self._check_lost()
                 continue
             try:
                 reply = decode_reply(self._sock.recv())

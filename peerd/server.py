@@ -45,6 +45,9 @@ from .settings import Loader, Settings
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
 TICK_S = 1.0
 
+#: how long closing the socket may wait for the replies already sent to leave
+SHUTDOWN_LINGER_MS = 1000
+
 #: settings a SIGHUP cannot change in a running daemon
 RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "max_message_bytes")
 
@@ -214,7 +217,7 @@ class Daemon:
         self._notifier.close()
         self.backend.close()
         self._watcher.close()
-        self._router.close(linger=0)
+        self._router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies (SHUTTING_DOWN) still go out
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
