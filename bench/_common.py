@@ -143,6 +143,18 @@ def command_line() -> str:
     return " ".join(["python", os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
 
 
+def measure_each_n(name: str, info: dict, args, measure) -> None:
+    """Run measure(npes, args) for every N of --ranks against one daemon, saving after each N
+    (what is done survives a later overrun); the daemon's exit status goes into info."""
+    with Daemon(args.backend) as daemon:
+        for npes in parse_ints(args.ranks):
+            t0 = time.monotonic()
+            info["by_n"][str(npes)] = measure(npes, args)
+            print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
+            save(name, info, args.out, quiet=True)
+        info["daemon_exit"] = daemon.stop()
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 

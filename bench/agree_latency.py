@@ -141,13 +141,7 @@ def main() -> None:
 
     info = {"bench": "agree_latency", "machine": C.machine(), "backend": args.backend,
             "command": C.command_line(), "rounds": args.rounds, "by_n": {}}
-    with C.Daemon(args.backend) as daemon:
-        for npes in C.parse_ints(args.ranks):
-            t0 = time.monotonic()
-            info["by_n"][str(npes)] = measure(npes, args)
-            print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
-            C.save(f"agree_latency-{args.backend}", info, args.out, quiet=True)  # what is done survives a later overrun
-        info["daemon_exit"] = daemon.stop()
+    C.measure_each_n(f"agree_latency-{args.backend}", info, args, measure)
 
     rows, rows2 = [], []
     for n, r in info["by_n"].items():

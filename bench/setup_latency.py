@@ -172,13 +172,7 @@ def main() -> None:
 
     info = {"bench": "setup_latency", "machine": C.machine(), "backend": args.backend,
             "command": C.command_line(), "nbytes": args.nbytes, "iters": args.iters, "by_n": {}}
-    with C.Daemon(args.backend) as daemon:
-        for npes in C.parse_ints(args.ranks):
-            t0 = time.monotonic()
-            info["by_n"][str(npes)] = measure(npes, args)
-            print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
-            C.save(f"setup_latency-{args.backend}", info, args.out, quiet=True)  # what is done survives a later overrun
-        info["daemon_exit"] = daemon.stop()
+    C.measure_each_n(f"setup_latency-{args.backend}", info, args, measure)
     left = C.leftover_seed_segments()
     if left:
         print(f"warning: seed segments left in /dev/shm: {left[:5]}")

@@ -321,7 +321,7 @@ class Registry:
             bset = None
         if bset is None:
             limit = self.limits.max_groups
-            if limit is not None and sum(b.state is not State.FAILED or bool(b.holders()) for b in self.all_sets()) >= limit:
+            if limit is not None and self.counted_sets() >= limit:
                 return [
                     _fail(caller, ErrorCode.LIMIT_EXCEEDED, f"the daemon already holds {limit} buffer sets "
                           f"(--max-groups {limit}); a new group={key[0]} name={key[1]} must wait for one to be freed")
@@ -731,6 +731,13 @@ class Registry:
             if bset.state is State.JOINING:
                 out += self._fail_set(bset, ErrorCode.SHUTTING_DOWN, f"{bset.label}: the peerd daemon is shutting down")
         return out
+
+    def counted_sets(self) -> int:
+        """Buffer sets that count against --max-groups: all but failed ones nobody holds."""
+        return sum(b.state is not State.FAILED or bool(b.holders()) for b in self.all_sets())
+
+    def ranks_held(self) -> int:
+        return sum(len(b.holders()) for b in self.all_sets())
 
     def held(self) -> int:
         """Buffer sets some rank still holds."""

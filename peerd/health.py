@@ -30,7 +30,7 @@ def problems(registry: Registry, devices: list[dict[str, Any]], now: float) -> l
             found.append(f"{b.label} failed {age:.0f}s ago and pids {holders} still hold it (see peerd evict)")
     limits = registry.limits
     if limits.max_groups is not None:
-        held = sum(b.state is not State.FAILED or bool(b.holders()) for b in sets)
+        held = registry.counted_sets()
         if held >= NEARLY * limits.max_groups:
             found.append(f"{held} buffer sets held of at most {limits.max_groups} (--max-groups)")
     for table, limit, what, flag in (

@@ -70,7 +70,7 @@ class _Gauges:
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        sets = list(self._registry.sets.values()) + list(self._registry.retired.values())
+        sets = self._registry.all_sets()  # list() copies of dict values: atomic under the GIL
         by_state = GaugeMetricFamily("peerd_buffer_sets", "Buffer sets, by state", labels=["state"])
         counts: dict[str, int] = {}
         held = 0

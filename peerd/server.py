@@ -204,9 +204,8 @@ class Daemon:
         self._notifier.reloaded(self._summary())
 
     def _summary(self) -> str:
-        sets = self.registry.all_sets()
-        held = sum(len(b.holders()) for b in sets)
-        return f"serving {self.socket_path} ({self.backend.name}): {len(sets)} buffer set(s), {held} rank(s) held"
+        sets, held = len(self.registry.all_sets()), self.registry.ranks_held()
+        return f"serving {self.socket_path} ({self.backend.name}): {sets} buffer set(s), {held} rank(s) held"
 
     def shutdown(self) -> None:
         log.info("shutting down: failing waiters and freeing every buffer")
@@ -404,7 +403,6 @@ class Daemon:
         }
 
     def _status(self) -> dict:
-        sets = self.registry.all_sets()
         devices = self.backend.devices()
         found = problems(self.registry, devices, time.monotonic())
         return {
@@ -417,9 +415,9 @@ class Daemon:
             "socket": self.socket_path,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "devices": devices,
-            "groups": len(sets),
-            "ranks_held": sum(len(b.holders()) for b in sets),
-            "bytes_allocated": sum(s.allocation.size for b in sets for s in b.slots.values() if s.allocation),
+            "groups": len(self.registry.all_sets()),
+            "ranks_held": self.registry.ranks_held(),
+            "bytes_allocated": sum(self.registry.bytes_by_device.values()),
             "agreements_pending": len(self.registry.agreements),
             "clients_watched": len(self._watcher.fds),
             "liveness": "polling" if self._watcher.polling else "pidfd",
