@@ -19,6 +19,9 @@ class MonoUnsupported(Exception):
 class DaemonUnavailable(MonoUnsupported):
     """No peerd daemon answered: none is running, it died, or it was restarted."""
 
+    def __init__(self, message: str, code: str | None = "DAEMON_UNAVAILABLE"):
+        super().__init__(message, code)
+
 
 class ForkedProcessError(RuntimeError):
     """A forked child touched its parent's peerd connection or mappings."""

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .backends.host import PREFIX, SHM_DIR
@@ -81,23 +81,35 @@ def launch(settings: Settings, loader: Loader, command: Sequence[str]) -> int:
     right after.
     """
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
-    directory = None
     try:
-        directory = _private_dir()
-        socket = os.path.join(directory, SOCKET_NAME)
-        daemon = JobDaemon(serve_argv(loader, socket), socket, settings.shutdown_grace + STOP_MARGIN_S)
-        try:
-            daemon.wait_until_serving()
+        stop_timeout = settings.shutdown_grace + STOP_MARGIN_S
+        with private_daemon(lambda socket: serve_argv(loader, socket), stop_timeout) as daemon:
             status = _run_job(command, daemon)
-        finally:
-            daemon.stop()
         return EXIT_FAILED if daemon.failed else status
     except LaunchFailed as err:
         _say(str(err))
         return err.status
+
+
+@contextlib.contextmanager
+def private_daemon(argv_for: Callable[[str], list[str]], stop_timeout: float) -> Iterator["JobDaemon"]:
+    """A daemon serving a socket in a fresh private directory while the block runs.
+
+    ``argv_for(socket)`` gives its `peerd serve` options. It is stopped (every
+    buffer freed) and the directory removed when the block ends, however it
+    ends; LaunchFailed if it never answers.
+    """
+    directory = _private_dir()
+    try:
+        socket = os.path.join(directory, SOCKET_NAME)
+        daemon = JobDaemon(argv_for(socket), socket, stop_timeout)
+        try:
+            daemon.wait_until_serving()
+            yield daemon
+        finally:
+            daemon.stop()
     finally:
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def serve_argv(loader: Loader, socket: str) -> list[str]:

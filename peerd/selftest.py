@@ -1,11 +1,14 @@
-"""`peerd selftest`: N real worker processes against the running daemon.
+"""`peerd selftest`: N real worker processes against a daemon.
 
 The workers (peerd_client.selftest) need torch; this side only starts them
-and renders what they report, so the daemon package stays torch-free.
+and renders what they report, so the daemon package stays torch-free. With
+no daemon answering, the test brings up a private one for its own run (as
+`peerd run` does) and says so, so it works right after installing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +37,31 @@ def _collect(proc: subprocess.Popen, rank: int, deadline: float) -> dict:
 
 
 def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, timeout: float) -> int:
+    """Run the workers on the daemon at socket_path, or on a private one if none answers; the exit code."""
+    from peerd_client.connection import daemon_answers
+
+    from .launcher import LaunchFailed, private_daemon
+
+    if importlib.util.find_spec("torch") is None:
+        click.echo(
+            f"peerd selftest: FAIL: the workers need torch, which {sys.executable} cannot import: "
+            "pip install 'peerd[client]' (no GPU: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+            err=True,
+        )
+        return 1
+    if daemon_answers(socket_path):
+        return _run_workers(socket_path, ranks, nbytes, device, timeout)
+    click.echo(f"peerd selftest: no daemon answers at {socket_path}; testing on a private daemon started for this run")
+    argv = lambda socket: ["--socket", socket, "--socket-dir-mode", "700", "--log-level", "warning"]  # noqa: E731
+    try:
+        with private_daemon(argv, stop_timeout=30) as daemon:
+            return _run_workers(daemon.socket, ranks, nbytes, device, timeout)
+    except LaunchFailed as err:
+        click.echo(f"peerd selftest: FAIL: {err}", err=True)
+        return 1
+
+
+def _run_workers(socket_path: str, ranks: int, nbytes: int, device: str | None, timeout: float) -> int:
     group = f"selftest-{uuid.uuid4().hex[:12]}"
     env = {**os.environ, "PEERD_SOCKET": socket_path}
     command = [sys.executable, "-m", "peerd_client.selftest", "--group", group, "--npes", str(ranks),
@@ -46,6 +74,11 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
     deadline = started + timeout
     results = [_collect(p, r, deadline) for r, p in enumerate(procs)]
     wall = time.monotonic() - started
+    summary = f"{ranks} rank(s), {nbytes} bytes each, group {group}, {wall:.2f}s wall"
+    errors = {r["error"] for r in results if "error" in r}
+    if len(errors) == 1 and len(results) == sum("error" in r for r in results):
+        click.echo(f"FAIL: every rank: {errors.pop()} ({summary})")
+        return 1
 
     header = ["rank", "device", *CHECKS, *(t.removesuffix("_ms") + " ms" for t in TIMES)]
     rows = []
@@ -65,6 +98,5 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
     widths = [max(len(row[i]) for row in [header] + rows if i < len(row)) for i in range(len(header))]
     for row in [header] + rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-    verdict = "PASS" if passed else "FAIL"
-    click.echo(f"{verdict}: {ranks} rank(s), {nbytes} bytes each, group {group}, {wall:.2f}s wall")
+    click.echo(f"{'PASS' if passed else 'FAIL'}: {summary}")
     return 0 if passed else 1

@@ -163,7 +163,8 @@ class Daemon:
             elif self._drain_until is None:
                 grace = self.settings.shutdown_grace
                 self._drain_until = now + grace
-                log.info("%s: draining: no new joins; waiting up to %gs for live groups to be released",
+                log.info("%s: draining: no new joins; waiting up to %gs for live groups to be released "
+                         "(send SIGINT or SIGTERM again, e.g. a second Ctrl-C, to stop at once)",
                          signal.Signals(signum).name, grace)
                 self._notifier.stopping(f"draining: {self._summary()}")
                 out += self.registry.drain()
@@ -209,6 +210,11 @@ class Daemon:
 
     def shutdown(self) -> None:
         log.info("shutting down: failing waiters and freeing every buffer")
+        for bset in self.registry.all_sets():
+            holders = ", ".join(f"rank {s.rank} (pid {s.pid})" for s in bset.holders())
+            if holders:
+                log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
+                            "still touch its memory", bset.label, holders)
         self._notifier.stopping("stopping: freeing every buffer")
         self._deliver(self.registry.shutdown())
         if self.metrics is not None:

@@ -214,12 +214,16 @@ class Loader:
         return Settings(**values), sources
 
 
-def serve_options(function: Callable) -> Callable:
+def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] = ()) -> Callable:
     """Give a click command every daemon option and --config; it receives one ``settings``.
 
     The Loader is left in the click context's meta (key "peerd.loader") for
     commands that read the settings again (SIGHUP) or show their sources.
+    ``hidden`` options are still parsed (so a command can refuse them with a
+    reason) but left out of its --help.
     """
+    if function is None:
+        return functools.partial(serve_options, hidden=hidden)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -233,6 +237,7 @@ def serve_options(function: Callable) -> Callable:
         wrapper = click.option(
             option.flag, option.name, type=option.type, default=() if option.multiple else None,
             multiple=option.multiple, help=f"{option.help}{default} [env: {_env_name(option.name)}]",
+            hidden=option.name in hidden,
         )(wrapper)
     return click.option(
         "--config", "config", default=None, metavar="PATH",

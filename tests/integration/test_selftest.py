@@ -1,0 +1,44 @@
+"""`peerd selftest` as a newcomer runs it: with a daemon, without one, without torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def selftest(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peerd", "selftest", *args], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_selftest_passes_against_the_running_daemon(daemon):
+    result = selftest(daemon.env(), "--ranks", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS: 2 rank(s)" in result.stdout and "private daemon" not in result.stdout
+    assert "joined (2/2)" in daemon.logs(), "the ranks used the running daemon"
+
+
+def test_with_no_daemon_it_runs_on_a_private_one_and_says_so(socket_dir):
+    result = selftest({"PEERD_SOCKET": os.path.join(socket_dir, "none.sock")}, "--ranks", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no daemon answers at" in result.stdout and "testing on a private daemon" in result.stdout
+    assert "PASS: 2 rank(s)" in result.stdout
+
+
+def test_without_torch_it_says_so_once_in_one_line(socket_dir, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # torch not installed\n")
+    env = {"PEERD_SOCKET": os.path.join(socket_dir, "none.sock"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = selftest(env, "--ranks", "8")
+    assert result.returncode == 1
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert len(lines) == 1 and "need torch" in lines[0] and "pip install" in lines[0], lines
+    assert len(lines[0]) < 300
+
+
+def test_the_same_failure_on_every_rank_is_said_once(daemon):
+    result = selftest(daemon.env(), "--ranks", "4", "--device", "meta")
+    assert result.returncode == 1
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FAIL: every rank:"), result.stdout
