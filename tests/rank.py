@@ -61,7 +61,8 @@ def join(args) -> dict:
     """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin)."""
     from peerd_client import PeerBuffer
 
-    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name, timeout=args.timeout) as buf:
+    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name, timeout=args.timeout,
+                    flags=args.flags) as buf:
         if args.hold < 0:
             print("READY", flush=True)
             sys.stdin.readline()
@@ -347,6 +348,7 @@ def main() -> None:
     parser.add_argument("--votes", default="1")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument("--flags", type=int, default=0)
     parser.add_argument("--store", default="")
     parser.add_argument("--die-at", choices=STEPS, default=None)
     parser.add_argument("--op", default="ls")

@@ -1,7 +1,6 @@
 """HIP backend: hipExtMallocWithFlags + hipIpcGetMemHandle, through hip-python.
 
-NOT YET RUN ON AMD HARDWARE: written against hip-python's documented
-signatures only; the selection logic is tested, the GPU paths are not.
+NOT RUN ON AMD HARDWARE: see the last paragraph.
 
 The handle is the 64 bytes of a ``hipIpcMemHandle_t``. Buffers are uncached
 (``hipDeviceMallocUncached``, 0x3: hip-python has no constant for it), so a
@@ -13,11 +12,20 @@ Device identity is the string ``rocminfo`` prints as the agent's Uuid,
 (e.g. GPU-e282895b62c2b295), which ``HIP_VISIBLE_DEVICES`` also accepts.
 A GPU without a unique ID is named by its PCI bus id instead.
 
-hip-python comes in two layouts with different signatures: in the releases
-built as ``hip.hip`` the caller passes each struct or string buffer that a
-call fills in; the newer ``rocm.bindings.hip`` (which recent hip-python
-re-exports as ``hip.hip``, so it is tried first) returns them in the result
-tuple instead. Both are handled; every other call has the same form in both.
+hip-python has one calling convention across its releases (checked against
+6.2, 7.2 and 10.0): out-parameters come back in the result tuple after the
+``hipError_t``. Releases up to 7.x install the module as ``hip.hip``; 10.x
+installs ``rocm.bindings.hip`` and re-exports it as ``hip.hip``. Both load
+libamdhip64.so at the first call and resolve each function by name.
+
+What runs: tests/gpu/test_hip.py drives the whole backend, daemon and
+worker halves, through hip-python's own bindings on an NVIDIA GPU, over a
+libamdhip64.so that maps each HIP call to the CUDA driver (tests/hipshim/);
+without a GPU, tests/integration/test_hip_bindings.py runs the load and
+error paths. That checks the calls, their arguments, the struct layouts and
+the error handling; it proves nothing about AMD's driver (uncached and
+fine-grained semantics, XGMI peer access, ROCm versions): no AMD GPU has
+run this code.
 """
 
 from __future__ import annotations
@@ -64,13 +72,9 @@ class _Hip:
     def __init__(self) -> None:
         try:
             try:
-                from rocm.bindings import hip  # out-parameters come back in the result tuple
-
-                self.returns_out = True
+                from rocm.bindings import hip  # hip-python 10 and later
             except ImportError:
-                from hip import hip  # the caller passes what a call fills in
-
-                self.returns_out = False
+                from hip import hip  # hip-python up to 7.x
         except Exception as err:  # ImportError, or OSError/RuntimeError loading the library
             raise BackendUnavailable(
                 f"hip-python / libamdhip64 could not be loaded ({err}); install ROCm and the "
@@ -84,24 +88,13 @@ class _Hip:
         except (OSError, RuntimeError) as err:  # hip-python resolves libamdhip64 symbols on first use
             raise BackendUnavailable(f"libamdhip64 could not be loaded through hip-python ({err})") from None
 
-    def _bytes(self, fn, size: int, ordinal: int, what: str) -> bytes:
-        if self.returns_out:
-            return ctypes.string_at(int(_check(fn(ordinal), what)), size)
-        buf = bytearray(size)
-        _check(fn(buf, ordinal), what)
-        return bytes(buf)
-
     def _text(self, fn, ordinal: int, what: str) -> str:
-        if self.returns_out:
-            raw = ctypes.string_at(int(_check(fn(_TEXT, ordinal), what)))
-        else:
-            buf = bytearray(_TEXT)
-            _check(fn(buf, _TEXT, ordinal), what)
-            raw = bytes(buf).split(b"\0", 1)[0]
-        return raw.decode(errors="replace")
+        """A C string a call fills in (name, bus id), given the buffer length it may use."""
+        return ctypes.string_at(int(_check(fn(_TEXT, ordinal), what))).decode(errors="replace")
 
     def identity(self, ordinal: int) -> str:
-        raw = self._bytes(self.rt.hipDeviceGetUuid, 16, ordinal, f"hipDeviceGetUuid({ordinal})")
+        uuid = _check(self.rt.hipDeviceGetUuid(ordinal), f"hipDeviceGetUuid({ordinal})")
+        raw = ctypes.string_at(int(uuid), 16)
         text = raw.rstrip(b"\0")
         if not text:  # no unique ID (rocminfo prints GPU-XX): the bus id is the only stable name
             return self.pci_bus_id(ordinal)
@@ -116,13 +109,8 @@ class _Hip:
         return self._text(self.rt.hipDeviceGetName, ordinal, f"hipDeviceGetName({ordinal})")
 
     def ipc_handle(self, pointer: int) -> bytes:
-        hip = self.rt
-        if self.returns_out:
-            handle = _check(hip.hipIpcGetMemHandle(pointer), "hipIpcGetMemHandle")
-            return ctypes.string_at(int(handle), HANDLE_BYTES)
-        buf = bytearray(HANDLE_BYTES)
-        _check(hip.hipIpcGetMemHandle(buf, pointer), "hipIpcGetMemHandle")
-        return bytes(buf)
+        handle = _check(self.rt.hipIpcGetMemHandle(pointer), "hipIpcGetMemHandle")
+        return ctypes.string_at(int(handle), HANDLE_BYTES)
 
 
 class Memory(MemoryBackend):
