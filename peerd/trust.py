@@ -95,7 +95,8 @@ def daemon_user() -> int | None:
 
 def client_trusts() -> frozenset[int]:
     """The uids a client trusts to own its socket path and to be its daemon."""
-    return frozenset({0, os.geteuid()} | ({daemon} if (daemon := daemon_user()) is not None else set()))
+    daemon = daemon_user()
+    return frozenset({0, os.geteuid()} if daemon is None else {0, os.geteuid(), daemon})
 
 
 def user_name(uid: int) -> str | None:
@@ -121,25 +122,25 @@ def describe_trusted(trusted: Collection[int]) -> str:
     return ", ".join(describe_uid(uid) for uid in sorted(trusted))
 
 
-def check_directories(directory: str, trusted: Collection[int], advice: str = "") -> None:
+def check_directories(directory: str, trusted: Collection[int], advice: str = "") -> os.stat_result:
     """Refuse unless every component of the absolute ``directory``, / included, is a trusted directory.
 
-    FileNotFoundError when a component does not exist. ``advice`` ends the
-    message about an untrusted owner.
+    Returns the last one's lstat; FileNotFoundError when a component does not
+    exist. ``advice`` ends the message about an untrusted owner.
     """
     current, info = "/", os.lstat("/")
     _check_directory(current, info, trusted, advice)
     for part in filter(None, directory.split("/")):
         current, info = os.path.join(current, part), _lstat(os.path.join(current, part), current, info)
         _check_directory(current, info, trusted, advice)
+    return info
 
 
 def check_socket(path: str, trusted: Collection[int]) -> None:
     """Refuse unless the absolute ``path`` is a socket this user may connect to, reached only through
     trusted directories and owned by a trusted uid. FileNotFoundError when nothing is there."""
     directory = os.path.dirname(path)
-    check_directories(directory, trusted, DAEMON_USER_ADVICE)
-    info = _lstat(path, directory, os.lstat(directory))
+    info = _lstat(path, directory, check_directories(directory, trusted, DAEMON_USER_ADVICE))
     if stat.S_ISLNK(info.st_mode):
         raise UntrustedPath(_symlink(path))
     if not stat.S_ISSOCK(info.st_mode):
