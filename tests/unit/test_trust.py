@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peerd import trust
+from peerd import paths, trust
 from peerd.trust import AccessDenied, NotASocket, UntrustedPath, check_directories, check_socket
 
 NOBODY = 65534
@@ -147,3 +147,15 @@ def test_the_daemon_user_by_name_or_uid_else_the_system_user(monkeypatch):
     assert trust.daemon_user() == NOBODY, "the service's user is trusted without configuration"
     monkeypatch.setattr(trust, "SYSTEM_DAEMON_USER", "pdt-no-such-user")
     assert trust.daemon_user() is None and trust.client_trusts() == {0}
+
+
+def test_a_system_socket_this_user_may_not_look_at_is_still_the_default(tree, monkeypatch):
+    """Else a user outside the socket group is sent to a socket of their own that does not exist."""
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", str(tree / "run" / "s.sock"))
+    monkeypatch.delenv("PEERD_SOCKET", raising=False)
+    os.chmod(tree / "run", 0o750)
+
+    def default_is_the_system_socket():
+        assert paths.default_socket() == paths.SYSTEM_SOCKET
+
+    assert as_nobody(default_is_the_system_socket)["type"] is None
