@@ -73,6 +73,11 @@ def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
         created = False
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except PermissionError:
+        raise UnsafeSocketDirectory(
+            f"this daemon ({describe_uid(os.geteuid())}) may not enter the socket directory {directory}, which "
+            "is not its own: give another --socket (or PEERD_SOCKET), or `peerd run` for a daemon of one job"
+        ) from None
     except OSError as err:
         if err.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
