@@ -24,6 +24,16 @@ import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
 from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, decode_reply, encode_request
+from peerd.trust import (
+    DAEMON_USER_ADVICE,
+    SocketPathError,
+    UntrustedPath,
+    check_socket,
+    client_trusts,
+    credentials,
+    describe_trusted,
+    describe_uid,
+)
 
 from .errors import DaemonUnavailable, MonoUnsupported
 
@@ -45,11 +55,16 @@ class Connection:
         self._lost: str | None = None
         self._owner: int | None = None  # the thread inside call(), if any
         self._deferred: list[bytes] = []  # requests no one waits for, sent before the next call
-        if not os.path.exists(self.path):
+        try:
+            trusted = client_trusts()
+            check_socket(self.path, trusted)
+        except FileNotFoundError:
             raise DaemonUnavailable(
                 f"no peerd daemon socket at {self.path}: start one with `peerd serve`, "
                 "or point PEERD_SOCKET at the socket of the one that runs"
-            )
+            ) from None
+        except SocketPathError as err:
+            raise DaemonUnavailable(str(err), err.code) from None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         for option, value in (
@@ -65,8 +80,8 @@ class Connection:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint(self.path))
         try:
-            self.hello = self.call("hello", {}, timeout=connect_timeout)
-        except DaemonUnavailable:
+            self.hello = self._greet(trusted, connect_timeout)
+        except MonoUnsupported:
             self.close()
             raise
         if self.hello.get("protocol") != VERSION:
@@ -75,6 +90,35 @@ class Connection:
                 f"the daemon at {self.path} speaks protocol {self.hello.get('protocol')}, "
                 f"this client {VERSION}: upgrade them together"
             )
+
+    def _greet(self, trusted: frozenset[int], timeout: float) -> dict[str, Any]:
+        """hello, answered by a daemon whose uid, as the kernel reports it, this process trusts.
+
+        The first exchange of a fresh socket, so the first frame is its answer,
+        and nothing in it is used before its sender's credentials are checked.
+        Checked once per connection: one that drops is marked lost and never
+        used again (the next call opens and greets a new one), and only a
+        trusted user can bind another daemon at this path (check_socket).
+        """
+        self._sock.send(encode_request(next(self._ids), "hello", {}))
+        if not self._sock.poll(int(timeout * 1000) + 1):
+            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s")
+        frame = self._sock.recv(copy=False)
+        sender = credentials(frame)
+        if sender is None or sender.uid not in trusted:
+            who = "an unknown user" if sender is None else f"{describe_uid(sender.uid)}, pid {sender.pid}"
+            raise DaemonUnavailable(
+                f"refusing the daemon at {self.path}: it runs as {who}, which this process does not trust "
+                f"(trusted: {describe_trusted(trusted)}); it could be another user's impostor. {DAEMON_USER_ADVICE}",
+                UntrustedPath.code,
+            )
+        try:
+            reply = decode_reply(frame.bytes)
+        except ProtocolError as err:
+            raise MonoUnsupported(f"peerd daemon sent a bad reply to hello: {err.message}", err.code.value)
+        if not reply.ok:
+            raise MonoUnsupported(reply.error.message, reply.error.code.value)
+        return reply.body
 
     def close(self) -> None:
         if os.getpid() != self.pid:

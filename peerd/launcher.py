@@ -2,7 +2,7 @@
 
 Where no system-wide peerd runs (a laptop, a container, a batch job),
 `peerd run [serve options] -- CMD` starts a daemon on a socket in a fresh
-0700 directory, waits until it answers, runs CMD with PEERD_SOCKET pointing
+directory of its own, waits until it answers, runs CMD with PEERD_SOCKET pointing
 at it, and once CMD has exited stops the daemon (every buffer freed) and
 removes the directory.
 
@@ -55,7 +55,9 @@ from .settings import OPTIONS, Loader, OctalMode, Option, Settings
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}
 SI_KERNEL = 0x80  # Linux's si_code for a signal the kernel raised, e.g. the terminal's Ctrl-C
-SOCKET_NAME = "peerd.sock"
+#: the daemon creates this directory in the launcher's and puts its socket there: it sets the mode
+#: and group only of a directory it created
+SOCKET_NAME = os.path.join("run", "peerd.sock")
 START_TIMEOUT_S = 30.0
 STOP_MARGIN_S = 10.0  # beyond the daemon's shutdown grace, before SIGKILL
 EXIT_FAILED, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 125, 126, 127
@@ -218,12 +220,17 @@ def _run_job(command: Sequence[str], daemon: JobDaemon) -> int:
 
 
 def _private_dir() -> str:
-    """A fresh 0700 directory whose socket path fits a unix socket (107 bytes)."""
+    """A fresh directory whose socket path fits a unix socket (107 bytes).
+
+    0711: others may pass through it to the daemon's own directory inside,
+    which has the job's --socket-dir-mode (0700 unless given), but not list it.
+    """
     for base in dict.fromkeys(filter(None, (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"))):
         try:
             directory = tempfile.mkdtemp(prefix="peerd-run-", dir=base)
         except OSError:
             continue
+        os.chmod(directory, 0o711)
         try:
             check_socket_path(os.path.join(directory, SOCKET_NAME))
             return directory

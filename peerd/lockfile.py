@@ -8,12 +8,18 @@ restarted after a crash take over the stale socket without any cleanup step.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 
 
 class AlreadyRunning(RuntimeError):
     """Another live daemon holds the lock."""
+
+
+class UnsafeLockFile(RuntimeError):
+    """Something other than a lock file is at the lock file's path."""
 
 
 class SocketLock:
@@ -22,7 +28,18 @@ class SocketLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a planted symlink: the truncation below would hit its target
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise UnsafeLockFile(
+                f"the lock file {self.path} is a symlink, which peerd never follows: remove it "
+                "(no daemon made it), then start again"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafeLockFile(f"the lock file {self.path} is not a regular file: move it away, then start again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -19,12 +19,24 @@ def default_socket() -> str:
     explicit = os.environ.get("PEERD_SOCKET")
     if explicit:
         return explicit
-    if os.geteuid() == 0 or os.path.exists(SYSTEM_SOCKET):
+    if os.geteuid() == 0 or _system_socket_there():
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "peerd", "peerd.sock")
     return f"/tmp/peerd-{os.getuid()}/peerd.sock"
+
+
+def _system_socket_there() -> bool:
+    """Whether the node's daemon socket exists, counting a directory this user may not
+    enter: the client then says permission denied and names the group that may."""
+    try:
+        os.lstat(SYSTEM_SOCKET)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def check_socket_path(path: str) -> str:

@@ -15,14 +15,14 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import msgpack
 import zmq
 
 from . import __version__
-from .access import Allowlist, prepare_socket_dir, resolve_group, secure_socket
+from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .health import problems
 from .backends import MemoryBackend
 from .groups import Allocation, Outbox, Registry, Send
@@ -41,6 +41,7 @@ from .protocol import (
     request_id_of,
 )
 from .settings import Loader, Settings
+from .trust import Credentials, NotASocket, credentials
 
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
 TICK_S = 1.0
@@ -52,27 +53,6 @@ SHUTDOWN_LINGER_MS = 1000
 RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "max_message_bytes")
 
 log = logging.getLogger("peerd.server")
-
-
-@dataclass(frozen=True)
-class Credentials:
-    uid: int
-    gid: int
-    pid: int
-
-
-def credentials(frame: zmq.Frame) -> Credentials | None:
-    """The sender's uid, gid and pid, as the kernel reported them (SO_PEERCRED).
-
-    libzmq sets Peer-Address to "...:uid:gid:pid" on frames of ipc connections;
-    nothing a client writes in its message is ever trusted for this.
-    """
-    try:
-        address = frame.get("Peer-Address")
-        uid, gid, pid = (int(part) for part in address.rsplit(":", 3)[1:])
-    except (zmq.ZMQError, ValueError, AttributeError):
-        return None
-    return Credentials(uid, gid, pid)
 
 
 class Daemon:
@@ -116,9 +96,11 @@ class Daemon:
         """Take the lock, then the socket: refuse rather than steal a live daemon's."""
         prepare_socket_dir(os.path.dirname(self.socket_path), self.settings.socket_dir_mode, self.socket_gid)
         self._lock.acquire()
-        if os.path.exists(self.socket_path):
-            log.warning("removing stale socket %s left by a daemon that is gone", self.socket_path)
-            os.unlink(self.socket_path)
+        try:
+            remove_stale_socket(self.socket_path)
+        except NotASocket:
+            self._lock.release()
+            raise
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)

@@ -53,7 +53,9 @@ def as_user(user) -> tuple[str, str]:
 
 
 def daemon_with(socket_dir: str, *args: str) -> Daemon:
-    return Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", args=args).start()
+    """A root daemon on a socket in a directory it creates, which other users can reach."""
+    os.chmod(socket_dir, 0o755)
+    return Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log", args=args).start()
 
 
 def call(daemon, op, body, *extra, rank=0):
@@ -63,7 +65,7 @@ def call(daemon, op, body, *extra, rank=0):
 def test_socket_and_directory_modes_and_group(socket_dir, probe_user):
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
     try:
-        directory, sock = os.stat(socket_dir), os.stat(d.socket)
+        directory, sock = os.stat(os.path.dirname(d.socket)), os.stat(d.socket)
         assert stat.S_IMODE(directory.st_mode) == 0o750 and directory.st_gid == probe_user[2]
         assert stat.S_IMODE(sock.st_mode) == 0o660 and sock.st_gid == probe_user[2]
     finally:
@@ -71,7 +73,7 @@ def test_socket_and_directory_modes_and_group(socket_dir, probe_user):
 
 
 @pytest.mark.parametrize("setup, words", [
-    (lambda path: os.chown(path, 65534, 65534), "is owned by uid 65534, not by this daemon"),
+    (lambda path: os.chown(path, 65534, 65534), "is owned by uid 65534"),
     (None, "is writable by other users"),
 ])
 def test_refuses_a_socket_directory_others_could_write_to(socket_dir, setup, words):
@@ -212,7 +214,9 @@ def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_
     uid, gid, sock_gid = probe_user
     other = pwd.getpwnam(OTHER_USER)
     os.chown(socket_dir, uid, gid)
-    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log")
+    os.chmod(socket_dir, 0o755)
+    d = Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log",
+               extra_env={"PEERD_DAEMON_USER": USER})  # the workers trust this daemon's user
     d.proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}:{sock_gid}", "serve",
          "--backend", "host", "--socket", d.socket, "--socket-group", SOCKET_GROUP],
