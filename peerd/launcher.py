@@ -35,9 +35,7 @@ as env(1) and timeout(1) report them.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import glob
 import os
 import shutil
 import signal
@@ -48,7 +46,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .backends.host import PREFIX, SHM_DIR
 from .paths import check_socket_path
 from .settings import OPTIONS, Loader, OctalMode, Option, Settings
 
@@ -165,7 +162,11 @@ class JobDaemon:
             )
 
     def stop(self) -> None:
-        """SIGTERM (it drains), SIGKILL if it outstays its grace; sweep what an unclean stop left."""
+        """SIGTERM (it drains), SIGKILL if it outstays its grace.
+
+        Nothing to sweep after an unclean stop: host memory has no name, and
+        the kernel frees it once the daemon and the job are gone.
+        """
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -176,10 +177,6 @@ class JobDaemon:
             if self.proc.returncode != 0:
                 self.failed = True
                 _say(f"the daemon (pid {self.proc.pid}) {self._ended()} when asked to stop; its log is above")
-        if self.proc.returncode != 0:
-            for segment in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{self.proc.pid}-*")):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(segment)
 
     def _ended(self) -> str:
         code = self.proc.returncode
@@ -206,7 +203,7 @@ def _run_job(command: Sequence[str], daemon: JobDaemon) -> int:
 
 
 def _private_dir() -> str:
-    """A fresh 0700 directory whose socket path fits a unix socket (107 bytes)."""
+    """A fresh 0700 directory whose socket path (and its fd channel's) fits a unix socket."""
     for base in dict.fromkeys(filter(None, (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"))):
         try:
             directory = tempfile.mkdtemp(prefix="peerd-run-", dir=base)

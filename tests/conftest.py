@@ -19,7 +19,38 @@ import pytest
 from peerd_client.connection import daemon_answers
 
 HERE = Path(__file__).parent
-SHM = Path("/dev/shm")
+MEMFD = "/memfd:peerd"  # how /proc shows the host backend's memory
+
+
+def memfds(pid: int) -> dict[int, int]:
+    """The host-backend memory process ``pid`` holds open: fd -> inode."""
+    held = {}
+    for entry in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(entry).startswith(MEMFD):
+                held[int(entry.name)] = entry.stat().st_ino
+        except OSError:  # closed meanwhile
+            pass
+    return held
+
+
+def memfd_holders(inodes: set[int]) -> list[str]:
+    """Every process that still holds one of these memfds, by fd or by mapping."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if inodes & set(memfds(int(proc.name)).values()):
+                found.append(f"pid {proc.name} (fd)")
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith(MEMFD) and int(fields[4]) in inodes:
+                    found.append(f"pid {proc.name} (mapping)")
+                    break
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -61,9 +92,9 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=20)
 
-    def segments(self) -> list[str]:
-        """Shared-memory segments this daemon made that still exist."""
-        return sorted(p.name for p in SHM.glob(f"peerd-{self.proc.pid}-*"))
+    def segments(self) -> list[int]:
+        """Host buffers this daemon still holds: the inodes of its memfds."""
+        return sorted(memfds(self.proc.pid).values())
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -87,11 +118,11 @@ def daemon(socket_dir):
     """A running host-backend daemon; on teardown it must stop cleanly and leave nothing."""
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log").start()
     yield d
-    pid = d.proc.pid
+    held = set(d.segments())
     code = d.stop()
     assert code == 0, f"daemon exited {code}:\n{d.logs()}"
-    assert not list(SHM.glob(f"peerd-{pid}-*")), "shared memory left after shutdown"
-    assert not os.path.exists(d.socket), "socket left after shutdown"
+    wait_until(lambda: not memfd_holders(held), 10, "every process to let go of the daemon's memory")
+    assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".fd"), "socket left after shutdown"
 
 
 def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str, stdin=None) -> subprocess.Popen:

@@ -132,7 +132,7 @@ def cache(args) -> dict:
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     mapper, opened = buf._mapper, []
     real_open = mapper.open
-    mapper.open = lambda handle, size: opened.append(handle) or real_open(handle, size)
+    mapper.open = lambda handle, size, fd=None: opened.append(handle) or real_open(handle, size, fd)
     again = [mappings.open(mapper, h, 0) for h in buf._handles]
     same = again == buf.pointers
     for h in buf._handles:

