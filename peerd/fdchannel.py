@@ -159,14 +159,12 @@ def fetch_fds(path: str, slot: dict, timeout: float) -> tuple[list[bytes], list[
     """
     deadline = time.monotonic() + timeout
     fds: list[int] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
+    with connect(path, timeout) as sock:
         try:
-            sock.settimeout(timeout)
-            sock.connect(path)
             sock.send(msgpack.packb(slot, use_bin_type=True))
             handles: list[bytes] | None = None
             while handles is None or len(fds) < len(handles):
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                _wait_at_most(sock, deadline - time.monotonic())
                 data, received, flags, _ = socket.recv_fds(
                     sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
                 )
@@ -180,6 +178,30 @@ def fetch_fds(path: str, slot: dict, timeout: float) -> tuple[list[bytes], list[
             for fd in fds:
                 os.close(fd)
             raise
+
+
+def connect(path: str, timeout: float) -> socket.socket:
+    """A connection to the channel, waiting up to ``timeout`` while the daemon's backlog is full.
+
+    Blocking, with kernel timeouts: a non-blocking connect to a unix socket
+    fails at once with EAGAIN when the backlog is full, rather than waiting.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        _wait_at_most(sock, timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _wait_at_most(sock: socket.socket, seconds: float) -> None:
+    """Each later send, connect or receive fails with EAGAIN after ``seconds``."""
+    seconds = max(seconds, 0.001)
+    timeval = struct.pack("@ll", int(seconds), int(seconds % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
 def _handles_of(reply: Any) -> list[bytes]:

@@ -15,7 +15,6 @@ import ctypes
 import fcntl
 import mmap
 import os
-import secrets
 
 from ..groups import Allocation
 from ..protocol import ErrorCode, ProtocolError
@@ -61,7 +60,7 @@ class Memory(MemoryBackend):
             raise ProtocolError(
                 ErrorCode.ALLOCATION_FAILED, f"cannot reserve {size} bytes of shared memory: {err}"
             ) from None
-        return Allocation(self.name, secrets.token_bytes(HANDLE_BYTES), size, DEVICE, token=fd)
+        return Allocation(self.name, os.urandom(HANDLE_BYTES), size, DEVICE, token=fd)
 
     def fd(self, allocation: Allocation) -> int:
         return allocation.token
