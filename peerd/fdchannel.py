@@ -169,7 +169,12 @@ def fetch_fds(path: str, slot: dict, timeout: float) -> tuple[list[bytes], list[
                     sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
                 )
                 fds += received
-                if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not data:
+                if flags & socket.MSG_CTRUNC:
+                    raise ConnectionError(
+                        f"this process could not take every fd the daemon's fd channel at {path} sent; "
+                        "is it at its open-file limit (ulimit -n)?"
+                    )
+                if flags & socket.MSG_TRUNC or not data:
                     raise ConnectionError(f"the daemon's fd channel at {path} cut its reply short")
                 if handles is None:
                     handles = _handles_of(msgpack.unpackb(data, raw=False))

@@ -12,6 +12,7 @@ daemon that crashed leaves nothing behind, and nothing is keyed on its pid.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -50,8 +51,9 @@ class Memory(MemoryBackend):
         size = round_up(nbytes, mmap.PAGESIZE)
         try:
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as err:
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot create shared memory: {err}") from None
+        except OSError as err:  # each buffer is one of the daemon's fds: EMFILE is its open-file limit
+            hint = "; raise the daemon's open-file limit (LimitNOFILE)" if err.errno == errno.EMFILE else ""
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot create shared memory: {err}{hint}") from None
         try:
             os.posix_fallocate(fd, 0, size)  # zero-filled, and really reserved: no SIGBUS on first touch
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
