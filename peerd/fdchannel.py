@@ -151,16 +151,26 @@ class FdChannelServer:
         conn.close()
 
 
-def fetch_fds(path: str, slot: dict, timeout: float) -> tuple[list[bytes], list[int]]:
+def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> tuple[list[bytes], list[int]]:
     """The worker's half: the handles and fds of the set in which this process holds ``slot``.
 
-    ``slot`` is ``{group, name, rank}``. The daemon's refusal raises
-    ProtocolError with its code; a daemon that cannot be reached, OSError.
+    ``slot`` is ``{group, name, rank}``. ``daemon_pid``, where given, must be
+    the pid the kernel reports for the channel's server, so memory from any
+    other process is refused; the kernel reports 0 for a daemon outside this
+    process's pid namespace (a worker in a pod), where no pid can be compared.
+    The daemon's refusal raises ProtocolError with its code; a daemon that
+    cannot be reached (or an impostor), OSError.
     """
     deadline = time.monotonic() + timeout
     fds: list[int] = []
     with connect(path, timeout) as sock:
         try:
+            server = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if daemon_pid is not None and server not in (0, daemon_pid):
+                raise ConnectionError(
+                    f"the fd channel at {path} is served by pid {server}, not by the daemon (pid {daemon_pid}); "
+                    "refusing its memory: check who created that socket"
+                )
             sock.send(msgpack.packb(slot, use_bin_type=True))
             handles: list[bytes] | None = None
             while handles is None or len(fds) < len(handles):

@@ -59,6 +59,16 @@ def test_a_set_wider_than_one_message_arrives_whole_and_in_rank_order(channel):
             os.close(fd)
 
 
+def test_memory_from_another_process_than_the_daemon_is_refused(channel):
+    path, answers = channel
+    answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConnectionError, match=f"served by pid {os.getpid()}, not by the daemon"):
+        fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10, daemon_pid=os.getpid() + 1)
+    assert len(os.listdir("/proc/self/fd")) == before, "nothing received"
+    os.close(answers[0][1][0])
+
+
 def test_a_refusal_carries_the_daemons_code_and_no_fd(channel):
     path, answers = channel
     answers[1] = ProtocolError(ErrorCode.NOT_MEMBER, "rank 1 belongs to pid 1")
