@@ -1,4 +1,4 @@
-"""The fd channel's two halves in one process: a set wider than one message's fds."""
+"""The fd channel's two halves in one process: wide sets, refusals, impostors."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def channel(tmp_path):
 
     def answer(uid, gid, pid, request):
         assert pid == os.getpid() and uid == os.geteuid()  # the kernel's word, not the request's
+        answers.setdefault("asked", []).append(request["rank"])
         if isinstance(answers[request["rank"]], ProtocolError):
             raise answers[request["rank"]]
         return answers[request["rank"]]
@@ -62,18 +63,15 @@ def test_a_set_wider_than_one_message_arrives_whole_and_in_rank_order(channel):
 def test_memory_from_another_process_than_the_daemon_is_refused(channel):
     path, answers = channel
     answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
-    before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ConnectionError, match=f"served by pid {os.getpid()}, not by the daemon"):
         fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10, daemon_pid=os.getpid() + 1)
-    assert len(os.listdir("/proc/self/fd")) == before, "nothing received"
+    assert "asked" not in answers, "refused before asking for anything"
     os.close(answers[0][1][0])
 
 
-def test_a_refusal_carries_the_daemons_code_and_no_fd(channel):
+def test_a_refusal_carries_the_daemons_code(channel):
     path, answers = channel
     answers[1] = ProtocolError(ErrorCode.NOT_MEMBER, "rank 1 belongs to pid 1")
-    before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(ProtocolError) as refused:
         fetch_fds(path, {"group": "g", "name": "n", "rank": 1}, 10)
     assert refused.value.code is ErrorCode.NOT_MEMBER and refused.value.message == "rank 1 belongs to pid 1"
-    assert len(os.listdir("/proc/self/fd")) == before
