@@ -20,6 +20,7 @@ that is slow, oversized or does not read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -56,7 +57,7 @@ class FdChannelServer:
     """The daemon's half, driven by the daemon's poller."""
 
     def __init__(self, path: str, gid: int | None, answer: Answer) -> None:
-        if os.path.exists(path):  # left by a daemon that is gone: the caller holds the socket lock
+        with contextlib.suppress(FileNotFoundError):  # left by a daemon that is gone: the caller holds the lock
             os.unlink(path)
         self.path = path
         self._answer = answer
@@ -90,7 +91,7 @@ class FdChannelServer:
         for fd in list(self._open):
             self._drop(fd)
         self._listener.close()
-        if os.path.exists(self.path):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     def _accept(self, now: float) -> None:
