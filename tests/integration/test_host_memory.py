@@ -105,8 +105,9 @@ def test_a_user_of_the_socket_group_cannot_reach_another_users_buffers(socket_di
          "--backend", "host", "--socket", d.socket, "--socket-group", GROUP],
         stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env())
     wait_until(lambda: "serving" in d.logs() or d.proc.poll() is not None, 60, "the daemon to start")
+    ranks = []
     try:
-        ranks = hold(d, "secret", "--as-user", users[USER_A])
+        ranks += hold(d, "secret", "--as-user", users[USER_A])
         held = memfds(d.proc.pid)
         assert len(held) == 2, "the daemon holds A's two buffers"
         assert named_in_shm(d.proc.pid) == [], "nothing of A's is named in /dev/shm"
@@ -131,6 +132,9 @@ def test_a_user_of_the_socket_group_cannot_reach_another_users_buffers(socket_di
         assert all(r["ok"] for r in let_go(ranks))
         assert d.segments() == []
     finally:
+        for p in ranks:  # a failed assertion must not leave A's processes behind (userdel refuses then)
+            p.kill()
+            p.wait()
         assert d.stop() == 0, d.logs()
 
 
