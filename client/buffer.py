@@ -6,9 +6,12 @@ import logging
 import os
 
 from peerd.backends import mapper as backend_mapper
+from peerd.fdchannel import fetch_fds
+from peerd.paths import fd_socket_path
+from peerd.protocol import ProtocolError
 
-from .connection import GRACE_S, connection
-from .errors import ForkedProcessError, MonoUnsupported
+from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection
+from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import mappings
 from .views import backend_for, byte_view, default_device, require_torch
@@ -16,6 +19,22 @@ from .views import backend_for, byte_view, default_device, require_torch
 log = logging.getLogger("peerd_client")
 
 DEFAULT_NAME = "default"
+
+
+def _member_fds(conn: Connection, slot: dict, handles: list[bytes]) -> list[int]:
+    """This rank's set as fds from the daemon's fd channel, in the order of ``handles``."""
+    path = fd_socket_path(conn.path)
+    try:
+        sent, fds = fetch_fds(path, slot, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"])
+    except ProtocolError as err:
+        raise MonoUnsupported(f"the daemon gave this rank no memory: {err.message}", err.code.value) from None
+    except OSError as err:
+        raise DaemonUnavailable(f"cannot fetch this rank's memory from the daemon's fd channel {path}: {err}") from None
+    if sent != handles:
+        for fd in fds:
+            os.close(fd)
+        raise MonoUnsupported(f"the daemon's fd channel {path} sent the memory of another set than the join named")
+    return fds
 
 
 class PeerBuffer:
@@ -79,16 +98,21 @@ class PeerBuffer:
         self._released = False
         remember(member)
 
-        failure, pointers = None, []
+        failure, pointers, fds = None, [], []
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
-            for handle, size in zip(joined["handles"], joined["sizes"]):
-                pointers.append(mappings.open(self._mapper, handle, size))
+            if self._mapper.passes_fds:
+                fds = _member_fds(conn, self._slot(member), joined["handles"])
+            for n, (handle, size) in enumerate(zip(joined["handles"], joined["sizes"])):
+                pointers.append(mappings.open(self._mapper, handle, size, fds[n] if fds else None))
                 self._handles.append(handle)
         except Exception as err:  # every rank must still reach the agreement
             failure = err
             log.warning("%s could not map a peer: %s", where, err)
+        finally:
+            for fd in fds:  # a mapping keeps the memory; the fds are spent
+                os.close(fd)
         reason = "" if failure is None else f"{type(failure).__name__}: {failure}"
         agreed_wait = (timeout or conn.hello["agreement_timeout"]) + GRACE_S
         try:

@@ -32,11 +32,12 @@ class MappingCache:
         self._lock = threading.RLock()
         self._open: dict[bytes, _Mapping] = {}
 
-    def open(self, mapper: Mapper, handle: bytes, size: int) -> int:
+    def open(self, mapper: Mapper, handle: bytes, size: int, fd: int | None = None) -> int:
+        """The handle's address, mapped (from ``fd`` where the backend passes fds) on first use."""
         with self._lock:
             mapping = self._open.get(handle)
             if mapping is None:
-                mapping = self._open[handle] = _Mapping(mapper.open(handle, size), size, mapper, 0)
+                mapping = self._open[handle] = _Mapping(mapper.open(handle, size, fd), size, mapper, 0)
             mapping.users += 1
             return mapping.address
 

@@ -510,6 +510,18 @@ class Registry:
             out = self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
 
+    def opened_set(self, req: dict[str, Any], pid: int) -> BufferSet:
+        """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
+
+        Raises ProtocolError when there is none (NOT_MEMBER, NOT_FOUND, the set's failure).
+        """
+        bset, error = self._member_set(req, pid)
+        if error:
+            raise error
+        if bset.state not in (State.OPENING, State.LIVE):
+            raise bset.failure or ProtocolError(ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")
+        return bset
+
     def _member_set(self, req: dict[str, Any], pid: int) -> tuple[BufferSet | None, ProtocolError | None]:
         """The set in which ``pid`` holds ``rank``, or why there is none."""
         key, rank = (req["group"], req["name"]), req["rank"]

@@ -35,9 +35,7 @@ as env(1) and timeout(1) report them.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import glob
 import os
 import shutil
 import signal
@@ -48,7 +46,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from .backends.host import PREFIX, SHM_DIR
 from .paths import check_socket_path
 from .settings import OPTIONS, Loader, OctalMode, Option, Settings
 
@@ -179,7 +176,11 @@ class JobDaemon:
             )
 
     def stop(self) -> None:
-        """SIGTERM (it drains), SIGKILL if it outstays its grace; sweep what an unclean stop left."""
+        """SIGTERM (it drains), SIGKILL if it outstays its grace.
+
+        Nothing to sweep after an unclean stop: host memory has no name, and
+        the kernel frees it once the daemon and the job are gone.
+        """
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -190,10 +191,6 @@ class JobDaemon:
             if self.proc.returncode != 0:
                 self.failed = True
                 _say(f"the daemon (pid {self.proc.pid}) {self._ended()} when asked to stop; its log is above")
-        if self.proc.returncode != 0:
-            for segment in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{self.proc.pid}-*")):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(segment)
 
     def _ended(self) -> str:
         code = self.proc.returncode
@@ -220,7 +217,7 @@ def _run_job(command: Sequence[str], daemon: JobDaemon) -> int:
 
 
 def _private_dir() -> str:
-    """A fresh directory whose socket path fits a unix socket (107 bytes).
+    """A fresh directory whose socket path (and its fd channel's) fits a unix socket.
 
     0711: others may pass through it to the daemon's own directory inside,
     which has the job's --socket-dir-mode (0700 unless given), but not list it.

@@ -44,13 +44,21 @@ def check_socket_path(path: str) -> str:
     if path.startswith("@"):
         raise ValueError(f"{path!r} is an abstract-namespace socket; peerd needs a filesystem path")
     path = os.path.abspath(path)
-    if len(path.encode()) > 107:  # sun_path is 108 bytes with its NUL
-        raise ValueError(f"socket path {path!r} is longer than the 107 bytes a unix socket allows")
+    if len(fd_socket_path(path).encode()) > 107:  # sun_path is 108 bytes with its NUL
+        raise ValueError(
+            f"socket path {path!r} is longer than 104 bytes: a unix socket allows 107, and the daemon's "
+            "fd channel lives beside it at PATH.fd; choose a shorter path"
+        )
     return path
 
 
 def endpoint(path: str) -> str:
     return f"ipc://{path}"
+
+
+def fd_socket_path(socket_path: str) -> str:
+    """The fd channel (peerd.fdchannel), beside the daemon's socket."""
+    return socket_path + ".fd"
 
 
 def lock_path(socket_path: str) -> str:

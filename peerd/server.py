@@ -25,12 +25,13 @@ from . import __version__
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .health import problems
 from .backends import MemoryBackend
+from .fdchannel import FdChannelServer
 from .groups import Allocation, Outbox, Registry, Send
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
 from .metrics import Metrics
 from .notify import Notifier
-from .paths import endpoint, lock_path
+from .paths import endpoint, fd_socket_path, lock_path
 from .protocol import (
     VERSION,
     ErrorCode,
@@ -39,6 +40,7 @@ from .protocol import (
     encode_error,
     encode_reply,
     request_id_of,
+    validate_body,
 )
 from .settings import Loader, Settings
 from .trust import Credentials, NotASocket, credentials
@@ -65,7 +67,6 @@ class Daemon:
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
-        backend.share_with_group(self.socket_gid)
         self.allowlist = Allowlist.build(
             settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
         )
@@ -107,6 +108,7 @@ class Daemon:
         self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes or -1)  # 0: no limit
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
+        self._fd_channel = FdChannelServer(fd_socket_path(self.socket_path), self.socket_gid, self._member_fds)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -205,6 +207,7 @@ class Daemon:
         self.backend.close()
         self._watcher.close()
         self._router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies (SHUTTING_DOWN) still go out
+        self._fd_channel.close()
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -219,6 +222,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        self._fd_channel.attach(poller)
         self._poller = poller
         while not self._stopping:
             events = dict(poller.poll(self._poll_timeout_ms()))
@@ -244,6 +248,7 @@ class Daemon:
             out += self.registry.process_died(pid, now)
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
+        self._fd_channel.serve(events, now)
         if now >= self._next_tick:
             self._tick(now)
         if self._drain_until is not None and (now >= self._drain_until or not self.registry.held()):
@@ -259,8 +264,8 @@ class Daemon:
             self._notifier.status(("draining: " if self._drain_until else "") + self._summary())
 
     def _poll_timeout_ms(self) -> int | None:
-        deadline = self.registry.next_deadline()
-        waits = [] if deadline is None else [max(0.0, deadline - time.monotonic())]
+        deadlines = [d for d in (self.registry.next_deadline(), self._fd_channel.next_deadline()) if d is not None]
+        waits = [max(0.0, min(deadlines) - time.monotonic())] if deadlines else []
         if self._watcher.polling:
             waits.append(POLL_INTERVAL)
         if self._notifier.active:
@@ -334,12 +339,28 @@ class Daemon:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same
             request_id = None
-        error = ProtocolError(
+        return [Send((identity, request_id), error=self._forbidden(who))]
+
+    @staticmethod
+    def _forbidden(who: Credentials) -> ProtocolError:
+        return ProtocolError(
             ErrorCode.FORBIDDEN,
             f"uid {who.uid} (gid {who.gid}) may not use this peerd; the operator can allow it "
             "with --allow-uid or --allow-gid",
         )
-        return [Send((identity, request_id), error=error)]
+
+    def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
+        """The fd channel's answer: the handles and fds of the set in which pid holds the rank asked for."""
+        who = Credentials(uid, gid, pid)
+        if not self.allowlist.allows(uid, gid, pid):
+            raise self._forbidden(who)
+        bset = self.registry.opened_set(validate_body("release", request), pid)  # a slot, named as release names it
+        allocations = [bset.slots[r].allocation for r in range(bset.npes)]
+        fds = [self.backend.fd(a) for a in allocations]
+        if None in fds:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend passes no fds: "
+                                "its handles open the memory")
+        return [a.handle for a in allocations], fds
 
     def _stateful(self, method: Callable[..., Outbox], owned: bool = False) -> Callable[[Any, Credentials, dict], Outbox]:
         """A registry op: watch the caller's pid first, so its death is seen.

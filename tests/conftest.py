@@ -3,8 +3,11 @@ worker ranks as separate processes, the CLI as a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -19,7 +22,38 @@ import pytest
 from peerd_client.connection import daemon_answers
 
 HERE = Path(__file__).parent
-SHM = Path("/dev/shm")
+MEMFD = "/memfd:peerd"  # how /proc shows the host backend's memory
+
+
+def memfds(pid: int) -> dict[int, int]:
+    """The host-backend memory process ``pid`` holds open: fd -> inode."""
+    held = {}
+    for entry in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(entry).startswith(MEMFD):
+                held[int(entry.name)] = entry.stat().st_ino
+        except OSError:  # closed meanwhile
+            pass
+    return held
+
+
+def memfd_holders(inodes: set[int]) -> list[str]:
+    """Every process that still holds one of these memfds, by fd or by mapping."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if inodes & set(memfds(int(proc.name)).values()):
+                found.append(f"pid {proc.name} (fd)")
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith(MEMFD) and int(fields[4]) in inodes:
+                    found.append(f"pid {proc.name} (mapping)")
+                    break
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -29,6 +63,33 @@ def wait_until(predicate, timeout: float, what: str) -> None:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
 
+
+
+@contextlib.contextmanager
+def unix_users(group: str, names: tuple[str, ...]):
+    """Users ``names``, all members of ``group``: created where missing (as root), removed afterwards."""
+    created = []
+    if not _exists(grp.getgrnam, group):
+        subprocess.run(["groupadd", group], check=True)
+        created.append(["groupdel", group])
+    for name in names:
+        if not _exists(pwd.getpwnam, name):
+            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+                            "--groups", group, name], check=True)
+            created.insert(0, ["userdel", name])
+    try:
+        yield
+    finally:
+        for command in created:
+            subprocess.run(command, check=False)
+
+
+def _exists(lookup, name) -> bool:
+    try:
+        lookup(name)
+        return True
+    except KeyError:
+        return False
 
 
 @dataclass
@@ -61,9 +122,9 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=20)
 
-    def segments(self) -> list[str]:
-        """Shared-memory segments this daemon made that still exist."""
-        return sorted(p.name for p in SHM.glob(f"peerd-{self.proc.pid}-*"))
+    def segments(self) -> list[int]:
+        """Host buffers this daemon still holds: the inodes of its memfds."""
+        return sorted(memfds(self.proc.pid).values())
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -87,11 +148,11 @@ def daemon(socket_dir):
     """A running host-backend daemon; on teardown it must stop cleanly and leave nothing."""
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log").start()
     yield d
-    pid = d.proc.pid
+    held = set(d.segments())
     code = d.stop()
     assert code == 0, f"daemon exited {code}:\n{d.logs()}"
-    assert not list(SHM.glob(f"peerd-{pid}-*")), "shared memory left after shutdown"
-    assert not os.path.exists(d.socket), "socket left after shutdown"
+    wait_until(lambda: not memfd_holders(held), 10, "every process to let go of the daemon's memory")
+    assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".fd"), "socket left after shutdown"
 
 
 def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str, stdin=None) -> subprocess.Popen:

@@ -133,7 +133,7 @@ def cache(args) -> dict:
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     mapper, opened = buf._mapper, []
     real_open = mapper.open
-    mapper.open = lambda handle, size: opened.append(handle) or real_open(handle, size)
+    mapper.open = lambda handle, size, fd=None: opened.append(handle) or real_open(handle, size, fd)
     again = [mappings.open(mapper, h, 0) for h in buf._handles]
     same = again == buf.pointers
     for h in buf._handles:
@@ -142,6 +142,42 @@ def cache(args) -> dict:
     buf.close()
     return {"same": same, "driver_opens": len(opened), "mapped_while_open": mapped_while_open,
             "mapped_after_close": len(mappings)}
+
+
+def sealed(args) -> dict:
+    """Hold a buffer, fetch the set's fds again as its member, and try to resize or reseal a peer's."""
+    import errno
+    import fcntl
+
+    from peerd.fdchannel import fetch_fds
+    from peerd.paths import fd_socket_path
+    from peerd_client import PeerBuffer, tp_agree
+    from peerd_client.connection import connection
+
+    def refusal(attempt) -> str | None:
+        try:
+            attempt()
+        except OSError as err:
+            return errno.errorcode[err.errno]
+        return None
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name)
+    slot = {"group": args.group, "name": args.name, "rank": args.rank}
+    handles, fds = fetch_fds(fd_socket_path(connection().path), slot, 10)
+    peer = fds[(args.rank + 1) % args.npes]
+    size = os.fstat(peer).st_size
+    result = {
+        "same_handles": handles == buf._handles,
+        "shrink": refusal(lambda: os.ftruncate(peer, 0)),
+        "grow": refusal(lambda: os.ftruncate(peer, size * 2)),
+        "seal_writes": refusal(lambda: fcntl.fcntl(peer, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)),
+        "size_kept": os.fstat(peer).st_size == size,
+    }
+    for fd in fds:
+        os.close(fd)
+    assert tp_agree(True, args.group), "barrier failed"  # every rank tried before any releases
+    buf.close()
+    return result
 
 
 def call(args) -> dict:
@@ -307,6 +343,7 @@ def signals(args) -> dict:
 SCENARIOS = {
     "cache": cache,
     "call": call,
+    "sealed": sealed,
     "chaos": chaos,
     "restart": restart,
     "forked": forked,
@@ -328,6 +365,7 @@ def become(spec: str) -> None:
     reports that uid on the daemon connection, opened only at the first call."""
     import torch  # noqa: F401
 
+    import peerd.backends.host  # noqa: F401  (the mapper, loaded by name on first use)
     import peerd_client  # noqa: F401
     import peerd_client.connection  # noqa: F401
 

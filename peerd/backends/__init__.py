@@ -4,7 +4,9 @@ Each backend has two halves behind one small interface. The daemon half
 (``MemoryBackend``) allocates, exports a handle, frees, and describes its
 devices. The client half (``Mapper``) names the worker's device and opens or
 closes a handle in the worker's address space. Both halves of a backend live
-in one module so that the handle format is defined in one place.
+in one module so that the handle format is defined in one place. Where a
+handle alone cannot open memory (host memfds), the daemon passes the memory
+itself as fds over its fd channel (peerd.fdchannel), to members only.
 
 Backends import their GPU libraries only when chosen: the daemon never
 imports torch, and a host-only machine needs neither cuda-bindings nor
@@ -61,8 +63,9 @@ class MemoryBackend(ABC):
     def free(self, allocation: Allocation) -> None:
         """Give the memory back; called once, after every rank released it."""
 
-    def share_with_group(self, gid: int | None) -> None:
-        """The socket group, for backends whose memory is guarded by file permissions."""
+    def fd(self, allocation: Allocation) -> int | None:
+        """The fd a member receives for this allocation over the fd channel; None where the handle suffices."""
+        return None
 
     def close(self) -> None:
         """Release what the backend itself holds (contexts), at shutdown."""
@@ -78,13 +81,16 @@ class MemoryBackend(ABC):
 class Mapper(ABC):
     """The worker's half: maps handles into the calling process."""
 
+    #: whether members fetch the memory as fds over the fd channel, beside the handles
+    passes_fds = False
+
     @abstractmethod
     def device_identity(self, index: int | None) -> str:
         """The identity (UUID) of the worker's device ``index`` (None: current)."""
 
     @abstractmethod
-    def open(self, handle: bytes, size: int) -> int:
-        """Map a handle; the address of its first byte in this process."""
+    def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
+        """Map a handle (from ``fd`` where the backend passes fds); the address of its first byte here."""
 
     @abstractmethod
     def close(self, address: int, size: int) -> None:

@@ -249,7 +249,7 @@ class Mapper(MapperBase):
             index = _check(cudart, cudart.cudaGetDevice(), "cudaGetDevice")
         return _uuid(_properties(cudart, index))
 
-    def open(self, handle: bytes, size: int) -> int:
+    def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
         if len(handle) != HANDLE_BYTES:
             raise ValueError(f"a CUDA IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         cudart = self._rt

@@ -197,7 +197,7 @@ class Mapper(MapperBase):
             index = _check(hip.hipGetDevice(), "hipGetDevice")
         return self._hip.identity(index)
 
-    def open(self, handle: bytes, size: int) -> int:
+    def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
         if len(handle) != HANDLE_BYTES:
             raise ValueError(f"a HIP IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         hip = self._hip.rt

@@ -1,73 +1,46 @@
-"""Host backend: POSIX shared memory, so all of peerd runs where no GPU is.
+"""Host backend: anonymous shared memory, so all of peerd runs where no GPU is.
 
-The handle is the segment's name. The daemon creates the segment (ftruncate
-zero-fills it) and unlinks it when freed; a worker that still has it mapped
-keeps its pages until it unmaps, exactly as a GPU IPC mapping outlives
-nothing but its own close. Segment names carry the daemon's pid, so a daemon
-started after a crash can sweep what the dead one left in /dev/shm.
+Host memory has no name anywhere. Each buffer is a memfd the daemon creates
+and keeps open until free(); the handle is a random id that only tells the
+buffers of a set apart and grants nothing by itself. Members receive the fds
+over the daemon's fd channel (peerd.fdchannel says why fds, not names), so
+no other process can reach the memory, no name can be squatted, and the
+kernel frees it once the daemon's fd and the members' mappings are gone: a
+daemon that crashed leaves nothing behind, and nothing is keyed on its pid.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
-import logging
+import fcntl
 import mmap
 import os
-import re
 
 from ..groups import Allocation
 from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from ..liveness import pid_alive
-from . import BackendUnavailable, MemoryBackend, round_up
+from . import MemoryBackend, round_up
 
-log = logging.getLogger("peerd.backends.host")
-
-SHM_DIR = "/dev/shm"
-PREFIX = "peerd-"
 DEVICE = "host"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-\d+$")
-
-
-def sweep_orphans() -> list[str]:
-    """Unlink segments left by peerd daemons that are no longer running."""
-    swept = []
-    for entry in os.listdir(SHM_DIR):
-        match = _NAME.match(entry)
-        if match and not pid_alive(int(match.group(1))):
-            try:
-                os.unlink(os.path.join(SHM_DIR, entry))
-                swept.append(entry)
-            except FileNotFoundError:
-                pass
-            except OSError as err:  # another user's, in sticky /dev/shm: not ours to remove
-                log.warning("cannot remove orphaned shared memory %s: %s", entry, err)
-    if swept:
-        log.warning("removed %d shared-memory segment(s) left by a dead daemon", len(swept))
-    return swept
+#: what /proc/PID/fd and /proc/PID/maps show: /memfd:peerd
+MEMFD_NAME = "peerd"
+HANDLE_BYTES = 16
+#: a member that resized a peer's memfd would SIGBUS everyone mapping it
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Memory(MemoryBackend):
     name = "host"
 
-    def __init__(self) -> None:
-        if not os.path.isdir(SHM_DIR):
-            raise BackendUnavailable(f"{SHM_DIR} is missing: the host backend needs POSIX shared memory")
-        self._serial = itertools.count()
-        self.share_gid: int | None = None  # the socket group
-        sweep_orphans()
-
     def devices(self) -> list[dict]:
-        stat = os.statvfs(SHM_DIR)
         return [
             {
                 "index": 0,
                 "uuid": DEVICE,
                 "pci_bus_id": None,
-                "name": f"POSIX shared memory ({SHM_DIR})",
-                "total_bytes": stat.f_blocks * stat.f_frsize,
+                "name": "host shared memory (memfd)",
+                "total_bytes": os.sysconf("SC_PHYS_PAGES") * mmap.PAGESIZE,
                 "footprint_bytes": 0,
             }
         ]
@@ -76,53 +49,26 @@ class Memory(MemoryBackend):
         if device != DEVICE:
             raise self.unknown_device(device)
         size = round_up(nbytes, mmap.PAGESIZE)
-        name = f"{PREFIX}{os.getpid()}-{next(self._serial)}"
-        path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            self._share(fd, uid)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as err:  # each buffer is one of the daemon's fds: EMFILE is its open-file limit
+            hint = "; raise the daemon's open-file limit (LimitNOFILE)" if err.errno == errno.EMFILE else ""
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot create shared memory: {err}{hint}") from None
+        try:
             os.posix_fallocate(fd, 0, size)  # zero-filled, and really reserved: no SIGBUS on first touch
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as err:
-            os.unlink(path)
-            raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED, f"cannot prepare shared memory {name} of {size} bytes: {err}"
-            ) from None
-        finally:
             os.close(fd)
-        return Allocation(self.name, name.encode(), size, DEVICE, token=path)
+            raise ProtocolError(
+                ErrorCode.ALLOCATION_FAILED, f"cannot reserve {size} bytes of shared memory: {err}"
+            ) from None
+        return Allocation(self.name, os.urandom(HANDLE_BYTES), size, DEVICE, token=fd)
 
-    def share_with_group(self, gid: int | None) -> None:
-        self.share_gid = gid
-
-    def _share(self, fd: int, uid: int | None) -> None:
-        """Let the group's user, and nobody else where possible, open the segment.
-
-        A root daemon gives the segment to that user (mode 0600), and may still
-        unlink it from sticky /dev/shm later. A daemon running as its own user
-        can do neither, so it shares the segment with its socket group (0660):
-        any member may then open it, which is as far as file permissions go.
-        """
-        if uid is None or uid == os.geteuid():
-            return
-        if os.geteuid() == 0:
-            os.fchown(fd, uid, -1)
-        elif self.share_gid is not None:
-            os.fchown(fd, -1, self.share_gid)
-            os.fchmod(fd, 0o660)
-        else:
-            raise OSError(
-                errno.EPERM,
-                f"uid {uid} could not open it: a daemon not running as root shares host-backend memory "
-                "only through its --socket-group",
-            )
+    def fd(self, allocation: Allocation) -> int:
+        return allocation.token
 
     def free(self, allocation: Allocation) -> None:
-        try:
-            os.unlink(allocation.token)
-        except FileNotFoundError:
-            log.warning("shared memory %s was already gone", allocation.token)
-        except PermissionError as err:
-            log.error("cannot unlink shared memory %s: %s; remove it by hand", allocation.token, err)
+        os.close(allocation.token)  # the kernel frees the memory once no member maps it either
 
 
 # ---------------------------------------------------------------- the worker's half
@@ -135,21 +81,18 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class Mapper(MapperBase):
+    passes_fds = True
+
     def device_identity(self, index: int | None) -> str:
         return DEVICE
 
-    def open(self, handle: bytes, size: int) -> int:
-        name = handle.decode()
-        if not _NAME.match(name):
-            raise ValueError(f"not a peerd shared-memory handle: {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        try:
-            address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        finally:
-            os.close(fd)
+    def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
+        if fd is None:
+            raise ValueError("host memory is mapped from the fd the daemon passes with its handle; none came")
+        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if address in (None, _MAP_FAILED):
             err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {name} ({size} bytes) failed: {os.strerror(err)}")
+            raise OSError(err, f"mmap of host buffer {handle.hex()} ({size} bytes) failed: {os.strerror(err)}")
         return address
 
     def close(self, address: int, size: int) -> None:

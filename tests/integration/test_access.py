@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, run_ranks, start_rank, unix_users, wait_until
 
 USER, OTHER_USER, SOCKET_GROUP = "peerd-probe", "peerd-probe2", "peerd-sock"
 MiB = 1 << 20
@@ -24,27 +24,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create 
 @pytest.fixture(scope="module")
 def probe_user():
     """A second user, member of the socket group: (uid, gid, socket gid). Removed afterwards."""
-    created = []
-    if not _exists(grp.getgrnam, SOCKET_GROUP):
-        subprocess.run(["groupadd", SOCKET_GROUP], check=True)
-        created.append(["groupdel", SOCKET_GROUP])
-    for name in (USER, OTHER_USER):
-        if not _exists(pwd.getpwnam, name):
-            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
-                            "--groups", SOCKET_GROUP, name], check=True)
-            created.insert(0, ["userdel", name])
-    user = pwd.getpwnam(USER)
-    yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
-    for command in created:
-        subprocess.run(command, check=False)
-
-
-def _exists(lookup, name) -> bool:
-    try:
-        lookup(name)
-        return True
-    except KeyError:
-        return False
+    with unix_users(SOCKET_GROUP, (USER, OTHER_USER)):
+        user = pwd.getpwnam(USER)
+        yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
 
 
 def as_user(user) -> tuple[str, str]:
@@ -209,7 +191,7 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
         assert d.stop() == 0
 
 
-def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_group(socket_dir, probe_user):
+def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_group(socket_dir, probe_user):
     """The systemd layout: the daemon is not root, the workers are another user of the socket group."""
     uid, gid, sock_gid = probe_user
     other = pwd.getpwnam(OTHER_USER)
@@ -226,7 +208,6 @@ def test_a_daemon_running_as_its_own_user_shares_host_memory_through_its_socket_
         results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
                             f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
         assert all(r["ok"] for r in results), results
-        assert d.segments() == [], "the daemon, not root, could unlink its segments"
-        assert "cannot unlink" not in d.logs()
+        assert d.segments() == [], "the daemon freed every buffer"
     finally:
         assert d.stop() == 0, d.logs()

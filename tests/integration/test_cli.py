@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Daemon, finish, start_rank, wait_until
+from tests.conftest import Daemon, finish, memfd_holders, start_rank, wait_until
 
 
 def test_status_answers_with_a_summary_and_json(daemon):
@@ -63,13 +63,14 @@ def test_sigterm_frees_everything_and_removes_the_socket(socket_dir):
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "log").start()
     waiting = start_rank(d, "join", 0, 2, "--group", "cut")
     wait_until(lambda: "group=cut name=default rank=0" in d.logs(), 90, "rank 0 to join")
-    assert len(d.segments()) == 1
-    pid = d.proc.pid
+    held = set(d.segments())
+    assert len(held) == 1
     assert d.stop() == 0
     result = finish(waiting)
     assert result["code"] == "SHUTTING_DOWN", result
     assert not os.path.exists(d.socket) and not os.path.exists(d.socket + ".lock")
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"peerd-{pid}-")]
+    assert not os.path.exists(d.socket + ".fd")
+    assert not memfd_holders(held), "the memory is gone with the daemon"
 
 
 def test_python_dash_m_peerd_is_the_same_cli():

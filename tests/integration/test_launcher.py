@@ -17,7 +17,7 @@ import pytest
 
 from peerd.launcher import serve_argv
 from peerd.settings import Loader, Settings, serve_options
-from tests.conftest import HERE, SHM, wait_until
+from tests.conftest import HERE, memfd_holders, memfds, wait_until
 
 PATIENCE_S = 90  # what a loaded 2-core machine may need to start four torch processes
 
@@ -40,13 +40,16 @@ def rank(scenario: str, *args: str, npes: int = 1) -> list[str]:
 
 
 def ready(proc: subprocess.Popen, timeout: float = PATIENCE_S) -> dict:
-    """What the job printed on its READY line."""
+    """What the job printed on its READY line, and the memory its daemon held then."""
     if not select.select([proc.stdout], [], [], timeout)[0]:
         proc.kill()
         raise AssertionError(f"the job printed nothing within {timeout}s:\n{proc.communicate()[1]}")
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"{line!r}\n{proc.communicate()[1]}"
-    return json.loads(line[len("READY"):].strip() or "{}")
+    where = json.loads(line[len("READY"):].strip() or "{}")
+    if "daemon" in where:
+        where["memory"] = set(memfds(where["daemon"]).values())
+    return where
 
 
 def finish(proc: subprocess.Popen, stdin: str | None = None) -> tuple[dict, str]:
@@ -66,8 +69,8 @@ def alive(pid: int) -> bool:
 
 def assert_nothing_left(where: dict) -> None:
     assert not os.path.exists(os.path.dirname(where["socket"])), "socket directory left behind"
-    assert not list(SHM.glob(f"peerd-{where['daemon']}-*")), "shared memory left behind"
     assert not alive(where["daemon"]), "daemon left running"
+    wait_until(lambda: not memfd_holders(where.get("memory", set())), 10, "every process to let go of the job's memory")
 
 
 def test_a_job_of_four_ranks_shares_its_daemon_and_leaves_nothing():
@@ -100,7 +103,7 @@ def test_a_killed_job_gives_128_plus_its_signal_and_leaves_nothing():
     proc = launch(*rank("held"))
     where = ready(proc)
     assert stat.S_IMODE(os.stat(os.path.dirname(where["socket"])).st_mode) == 0o700
-    assert list(SHM.glob(f"peerd-{where['daemon']}-*")), "the job's buffer should exist"
+    assert where["memory"], "the job's buffer should exist"
     os.kill(where["pid"], signal.SIGKILL)
     _, err = finish(proc)
     assert proc.returncode == 128 + signal.SIGKILL, err

@@ -17,7 +17,7 @@ import pytest
 from peerd_client.connection import Connection
 from peerd_client.errors import MonoUnsupported
 
-from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
 
 
 def daemon_in(socket_dir: str, *args: str, **env) -> Daemon:
@@ -148,14 +148,15 @@ def test_the_drain_ends_after_the_grace_period(socket_dir):
     d = daemon_in(socket_dir, "--shutdown-grace", "1")
     holders = [start_rank(d, "join", r, 2, "--group", "stubborn", "--hold", "60") for r in (0, 1)]
     wait_until(lambda: "group=stubborn name=default live" in d.logs(), 90, "the set to go live")
-    pid = d.proc.pid
+    held = set(d.segments())
     started = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=20) == 0
     assert time.monotonic() - started < 10
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"peerd-{pid}-")]
     for p in holders:
         p.kill()
+        p.wait()
+    assert not memfd_holders(held), "the memory is gone once the daemon and its last holder are"
 
 
 def test_sighup_rereads_the_allowlist_and_the_log_level(socket_dir):

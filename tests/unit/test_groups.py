@@ -378,3 +378,22 @@ def test_listing_shows_state_ranks_and_pids(reg):
     (entry,) = reg.listing(now=3.5)
     assert entry["state"] == "joining" and entry["joined"] == [0] and entry["pids"] == {"0": 100}
     assert entry["age_s"] == 2.5 and entry["bytes_allocated"] == 64
+
+
+def test_a_sets_memory_goes_to_the_pid_holding_a_rank_once_the_handles_went_out(reg):
+    """The fd channel's check: not before the rendezvous ends, not to another pid, not after a failure."""
+    slot = {"group": "g", "name": "n", "rank": 0}
+    join(reg, 0)
+    with pytest.raises(ProtocolError) as early:
+        reg.opened_set(slot, 100)
+    assert early.value.code is ErrorCode.BAD_REQUEST and "has not sent its handles" in early.value.message
+    join(reg, 1)
+    assert reg.opened_set(slot, 100).state is State.OPENING
+    with pytest.raises(ProtocolError) as other:
+        reg.opened_set(slot, 999)
+    assert other.value.code is ErrorCode.NOT_MEMBER and "belongs to pid 100" in other.value.message
+    commit(reg, 0, ok=False)
+    commit(reg, 1)
+    with pytest.raises(ProtocolError) as failed:
+        reg.opened_set(slot, 100)
+    assert failed.value.code is ErrorCode.GROUP_FAILED

@@ -1,0 +1,232 @@
+"""The fd channel: members receive their set's host memory as file descriptors.
+
+Why fds and not names: a name in /dev/shm is a door. Whoever file permissions
+let through can open it (the whole socket group, when the daemon runs as its
+own user), anyone can take a guessable name first and block every
+allocation, and named memory outlives a daemon that crashed. A memfd has no
+name: the daemon holds the only reference until it passes the fd, with
+SCM_RIGHTS, to a process the kernel vouches for (SO_PEERCRED) that holds a
+rank of the set; the kernel frees the memory once the last fd and mapping
+are gone, whatever killed the daemon.
+
+The channel is a SOCK_SEQPACKET socket at ``<socket path>.fd``, beside the
+daemon's ZeroMQ socket and guarded like it. One request per connection,
+``{group, name, rank}``; the answer is ``{ok: true, handles}`` with the set's
+fds in rank order (at most FDS_PER_MESSAGE fds per message), or ``{ok: false,
+code, message}``; then the daemon closes. The daemon's half never blocks its
+loop: it accepts, reads and sends without waiting, and drops a connection
+that is slow, oversized or does not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Any, Callable
+
+import msgpack
+import zmq
+
+from .access import secure_socket
+from .protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("peerd.fdchannel")
+
+#: fds per message: the kernel passes at most SCM_MAX_FD (253) in one
+FDS_PER_MESSAGE = 250
+#: a request names one slot: anything larger is not one
+MAX_REQUEST_BYTES = 4096
+#: room for the reply naming 1024 handles
+MAX_REPLY_BYTES = 1 << 16
+#: open connections at most; past it the oldest is dropped
+MAX_CONNECTIONS = 64
+#: how long a connection may take to send its request
+REQUEST_WAIT_S = 1.0
+#: what the messages after the first carry besides their fds
+MORE = b"\x00"
+
+#: (uid, gid, pid, request) -> (handles, fds), or ProtocolError
+Answer = Callable[[int, int, int, Any], "tuple[list[bytes], list[int]]"]
+
+
+class FdChannelServer:
+    """The daemon's half, driven by the daemon's poller."""
+
+    def __init__(self, path: str, gid: int | None, answer: Answer) -> None:
+        with contextlib.suppress(FileNotFoundError):  # left by a daemon that is gone: the caller holds the lock
+            os.unlink(path)
+        self.path = path
+        self._answer = answer
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.setblocking(False)
+        self._listener.bind(path)
+        secure_socket(path, gid)
+        self._listener.listen(MAX_CONNECTIONS)
+        self._open: dict[int, tuple[socket.socket, float]] = {}  # fd -> (connection, deadline), oldest first
+        self._poller: zmq.Poller | None = None
+
+    def attach(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        poller.register(self._listener.fileno(), zmq.POLLIN)
+
+    def next_deadline(self) -> float | None:
+        return next(iter(self._open.values()))[1] if self._open else None
+
+    def serve(self, events: dict, now: float) -> None:
+        """One pass: answer what arrived, accept who came, drop who overstayed."""
+        for fd in [fd for fd in events if fd in self._open]:
+            self._respond(fd)
+        if self._listener.fileno() in events:
+            self._accept(now)
+        for fd, (_, deadline) in list(self._open.items()):
+            if deadline > now:
+                break
+            self._drop(fd)
+
+    def close(self) -> None:
+        for fd in list(self._open):
+            self._drop(fd)
+        self._listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _accept(self, now: float) -> None:
+        for _ in range(MAX_CONNECTIONS):  # what the backlog holds, no more per pass
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:  # out of fds: the connection waits in the backlog
+                log.warning("cannot accept on the fd channel: %s", err)
+                return
+            conn.setblocking(False)
+            if len(self._open) >= MAX_CONNECTIONS:
+                self._drop(next(iter(self._open)))
+            self._open[conn.fileno()] = (conn, now + REQUEST_WAIT_S)
+            self._poller.register(conn.fileno(), zmq.POLLIN)
+
+    def _respond(self, fd: int) -> None:
+        conn = self._open[fd][0]
+        try:
+            # no room for ancillary data: fds a client sends are discarded by the kernel
+            data, _, flags, _ = conn.recvmsg(MAX_REQUEST_BYTES + 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, flags = b"", 0
+        if data and not flags & socket.MSG_TRUNC and len(data) <= MAX_REQUEST_BYTES:
+            self._send(conn, *self._reply(conn, data))
+        self._drop(fd)
+
+    def _reply(self, conn: socket.socket, data: bytes) -> tuple[dict, list[int]]:
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        try:
+            try:
+                request = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            except Exception:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "an fd request is one msgpack map") from None
+            handles, fds = self._answer(uid, gid, pid, request)
+        except ProtocolError as err:
+            return {"ok": False, "code": err.code.value, "message": err.message}, []
+        except Exception as err:  # a bug must cost one request, never the daemon
+            log.exception("fd request of pid %d failed", pid)
+            return {"ok": False, "code": ErrorCode.INTERNAL.value, "message": f"{type(err).__name__}: {err}"}, []
+        return {"ok": True, "handles": handles}, fds
+
+    @staticmethod
+    def _send(conn: socket.socket, reply: dict, fds: list[int]) -> None:
+        chunks = [fds[i:i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
+        try:
+            for n, chunk in enumerate(chunks):
+                socket.send_fds(conn, [msgpack.packb(reply, use_bin_type=True) if n == 0 else MORE], chunk)
+        except OSError as err:  # EAGAIN: it does not read; anything else: it left
+            log.warning("fd channel: dropped a reply that could not go out: %s", err)
+
+    def _drop(self, fd: int) -> None:
+        conn, _ = self._open.pop(fd)
+        self._poller.unregister(fd)
+        conn.close()
+
+
+def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> tuple[list[bytes], list[int]]:
+    """The worker's half: the handles and fds of the set in which this process holds ``slot``.
+
+    ``slot`` is ``{group, name, rank}``. ``daemon_pid``, where given, must be
+    the pid the kernel reports for the channel's server, so memory from any
+    other process is refused; the kernel reports 0 for a daemon outside this
+    process's pid namespace (a worker in a pod), where no pid can be compared.
+    The daemon's refusal raises ProtocolError with its code; a daemon that
+    cannot be reached (or an impostor), OSError.
+    """
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    with connect(path, timeout) as sock:
+        try:
+            server = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if daemon_pid is not None and server not in (0, daemon_pid):
+                raise ConnectionError(
+                    f"the fd channel at {path} is served by pid {server}, not by the daemon (pid {daemon_pid}); "
+                    "refusing its memory: check who created that socket"
+                )
+            sock.send(msgpack.packb(slot, use_bin_type=True))
+            handles: list[bytes] | None = None
+            while handles is None or len(fds) < len(handles):
+                _wait_at_most(sock, deadline - time.monotonic())
+                data, received, flags, _ = socket.recv_fds(
+                    sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
+                )
+                fds += received
+                if flags & socket.MSG_CTRUNC:
+                    raise ConnectionError(
+                        f"this process could not take every fd the daemon's fd channel at {path} sent; "
+                        "is it at its open-file limit (ulimit -n)?"
+                    )
+                if flags & socket.MSG_TRUNC or not data:
+                    raise ConnectionError(f"the daemon's fd channel at {path} cut its reply short")
+                if handles is None:
+                    handles = _handles_of(msgpack.unpackb(data, raw=False))
+            return handles, fds
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+
+def connect(path: str, timeout: float) -> socket.socket:
+    """A connection to the channel, waiting up to ``timeout`` while the daemon's backlog is full.
+
+    Blocking, with kernel timeouts: a non-blocking connect to a unix socket
+    fails at once with EAGAIN when the backlog is full, rather than waiting.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        _wait_at_most(sock, timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _wait_at_most(sock: socket.socket, seconds: float) -> None:
+    """Each later send, connect or receive fails with EAGAIN after ``seconds``."""
+    seconds = max(seconds, 0.001)
+    timeval = struct.pack("@ll", int(seconds), int(seconds % 1 * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+
+
+def _handles_of(reply: Any) -> list[bytes]:
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the daemon's fd channel sent a reply without 'ok'")
+    if not reply["ok"]:
+        try:
+            code = ErrorCode(reply.get("code"))
+        except ValueError:
+            code = ErrorCode.INTERNAL
+        raise ProtocolError(code, str(reply.get("message", "")))
+    return list(reply["handles"])

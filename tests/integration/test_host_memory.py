@@ -1,0 +1,251 @@
+"""Host memory has no name: only the members of a set can reach it, nothing can
+squat it, and a daemon that dies leaves none of it behind (issue 13, items 1, 2, 12).
+
+Real extra Unix users (CI runs as root): a daemon user, and two workers A and
+B who share the daemon's socket group.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import json
+import os
+import pwd
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from peerd.fdchannel import connect, fetch_fds
+from peerd.paths import check_socket_path, fd_socket_path
+from peerd.protocol import ErrorCode, ProtocolError
+from tests.conftest import Daemon, finish, memfd_holders, memfds, run_ranks, start_rank, unix_users, wait_until
+
+GROUP, DAEMON_USER, USER_A, USER_B = "pdm-sock", "pdm-daemon", "pdm-a", "pdm-b"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create users (CI runs as root)")
+
+
+@pytest.fixture(scope="module")
+def users():
+    """The daemon's user and workers A and B, all in the socket group: name -> uid:gid:socket gid."""
+    names = (DAEMON_USER, USER_A, USER_B)
+    with unix_users(GROUP, names):
+        gid = grp.getgrnam(GROUP).gr_gid
+        yield {name: f"{pwd.getpwnam(name).pw_uid}:{pwd.getpwnam(name).pw_gid}:{gid}" for name in names}
+
+
+def as_user(spec: str, probe) -> dict:
+    """probe() run in a child of this process that became user ``spec`` (uid:gid:gids); its JSON result."""
+    uid, gid, gids = spec.split(":")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read)
+            os.setgroups([int(g) for g in gids.split(",")])
+            os.setgid(int(gid))
+            os.setuid(int(uid))
+            out = probe()
+        except BaseException as err:
+            out = {"error": repr(err)}
+        os.write(write, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 65536):
+        data += chunk
+    os.close(read)
+    os.waitpid(child, 0)
+    return json.loads(data)
+
+
+def named_in_shm(daemon_pid: int) -> list[str]:
+    """What the old host backend would have named in /dev/shm for this daemon."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"peerd-{daemon_pid}-")]
+
+
+def fetch_code(path: str, slot: dict) -> str:
+    """The daemon's answer to an fd request: GIVEN, or its error code."""
+    try:
+        _, fds = fetch_fds(path, slot, 10)
+    except ProtocolError as err:
+        return err.code.value
+    for fd in fds:
+        os.close(fd)
+    return "GIVEN"
+
+
+def hold(daemon: Daemon, group: str, *extra: str) -> list[subprocess.Popen]:
+    """Two ranks holding a live set of ``group`` until they get a line on stdin."""
+    ranks = [start_rank(daemon, "join", r, 2, "--group", group, "--hold", "-1", *extra, stdin=subprocess.PIPE)
+             for r in (0, 1)]
+    wait_until(lambda: f"group={group} name=default live" in daemon.logs(), 90, f"{group} to go live")
+    return ranks
+
+
+def let_go(ranks: list[subprocess.Popen]) -> list[dict]:
+    for p in ranks:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return [finish(p) for p in ranks]
+
+
+def test_a_user_of_the_socket_group_cannot_reach_another_users_buffers(socket_dir, users):
+    """The systemd layout: the daemon runs as its own user with --socket-group; A and B are both in it."""
+    uid, gid, _ = (int(x) for x in users[DAEMON_USER].split(":"))
+    os.chown(socket_dir, uid, gid)
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log")
+    d.proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parents[1] / "as_user.py"), users[DAEMON_USER], "serve",
+         "--backend", "host", "--socket", d.socket, "--socket-group", GROUP],
+        stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env())
+    wait_until(lambda: "serving" in d.logs() or d.proc.poll() is not None, 60, "the daemon to start")
+    ranks = []
+    try:
+        ranks += hold(d, "secret", "--as-user", users[USER_A])
+        held = memfds(d.proc.pid)
+        assert len(held) == 2, "the daemon holds A's two buffers"
+        assert named_in_shm(d.proc.pid) == [], "nothing of A's is named in /dev/shm"
+
+        def snoop() -> dict:
+            slot = {"group": "secret", "name": "default", "rank": 0}
+            opened = []
+            for fd in held:
+                try:
+                    os.close(os.open(f"/proc/{d.proc.pid}/fd/{fd}", os.O_RDONLY))
+                    opened.append("OPENED")
+                except OSError as err:
+                    opened.append(errno.errorcode[err.errno])
+            return {"shm": named_in_shm(d.proc.pid), "fetch": fetch_code(fd_socket_path(d.socket), slot),
+                    "proc_fd": opened}
+
+        seen = as_user(users[USER_B], snoop)
+        assert seen["shm"] == [], seen
+        # NOT_MEMBER: the rank is another pid's (NOT_FOUND where each uid has its own key namespace)
+        assert seen["fetch"] in ("NOT_MEMBER", "NOT_FOUND"), seen
+        assert seen["proc_fd"] == ["EACCES", "EACCES"], seen
+        assert all(r["ok"] for r in let_go(ranks))
+        assert d.segments() == []
+    finally:
+        for p in ranks:  # a failed assertion must not leave A's processes behind (userdel refuses then)
+            p.kill()
+            p.wait()
+        assert d.stop() == 0, d.logs()
+
+
+def test_names_squatted_in_dev_shm_block_no_join(daemon, users):
+    pid = daemon.proc.pid
+
+    def squat() -> dict:
+        for n in range(3000):  # every name the old backend would have tried
+            os.close(os.open(f"/dev/shm/peerd-{pid}-{n}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        return {"squatted": len(named_in_shm(pid))}
+
+    try:
+        assert as_user(users[USER_B], squat) == {"squatted": 3000}
+        results = run_ranks(daemon, "exchange", 2, "--group", "squatted")
+        assert all(r["ok"] for r in results), results
+    finally:
+        for name in named_in_shm(pid):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+def start_on_pid(daemon: Daemon, pid: int) -> bool:
+    """Start the daemon again, on ``pid`` where the kernel gives it (others fork too: best effort)."""
+    for _ in range(3):
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            pass
+        daemon.start()
+        if daemon.proc.pid == pid:
+            return True
+        assert daemon.stop() == 0
+    daemon.start()
+    return False
+
+
+def test_a_killed_daemon_leaves_no_memory_and_a_restart_even_on_its_pid_starts_clean(daemon):
+    ranks = hold(daemon, "crash")
+    lone = start_rank(daemon, "join", 0, 2, "--group", "half", "--timeout", "120")  # a set still in rendezvous
+    wait_until(lambda: "group=half name=default rank=0" in daemon.logs(), 90, "rank 0 of half to join")
+    old_pid = daemon.proc.pid
+    held = set(daemon.segments())
+    assert len(held) == 3
+    daemon.proc.kill()
+    daemon.proc.wait()
+    assert [r["ok"] for r in let_go(ranks)] == [True, True], "closing after the daemon died is quiet"
+    assert finish(lone)["type"] == "DaemonUnavailable"
+    assert named_in_shm(old_pid) == [], "nothing named is left"
+    assert memfd_holders(held) == [], "no process holds the dead daemon's memory"
+    assert os.path.exists(fd_socket_path(daemon.socket)), "a SIGKILLed daemon leaves its fd channel's socket"
+
+    start_on_pid(daemon, old_pid)  # whether or not it got the pid: nothing is keyed on it
+    assert daemon.segments() == [] and json.loads(daemon.cli("ls", "--json").stdout) == []
+    assert named_in_shm(old_pid) == []
+    assert all(r["ok"] for r in run_ranks(daemon, "exchange", 2, "--group", "after-crash"))
+
+
+def test_the_fd_channel_gives_a_sets_memory_to_the_pids_holding_its_ranks_only(daemon):
+    ranks = hold(daemon, "mine")
+    path = fd_socket_path(daemon.socket)
+    mine_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ProtocolError) as other_pid:  # this test: the ranks' uid, another pid
+        fetch_fds(path, {"group": "mine", "name": "default", "rank": 0}, 10)
+    assert other_pid.value.code is ErrorCode.NOT_MEMBER
+    assert f"belongs to pid {ranks[0].pid}" in other_pid.value.message
+    assert fetch_code(path, {"group": "nobody", "name": "default", "rank": 0}) == "NOT_FOUND"
+    assert fetch_code(path, {"group": "mine", "rank": 0}) == "BAD_REQUEST"
+    assert len(os.listdir("/proc/self/fd")) == mine_before, "no fd came with a refusal"
+    assert all(r["ok"] for r in let_go(ranks))
+
+
+def test_members_map_each_others_memory_from_the_fds_and_cannot_resize_them(daemon):
+    exchanged = run_ranks(daemon, "exchange", 2, "--group", "fds")
+    for r in exchanged:
+        assert r["ok"] and r["zero"] and r["seen"] == [[1, 1], [2, 2]], r
+    for r in run_ranks(daemon, "sealed", 2, "--group", "sealed"):
+        assert r["ok"] and r["same_handles"] and r["size_kept"], r
+        assert (r["shrink"], r["grow"], r["seal_writes"]) == ("EPERM", "EPERM", "EPERM"), r
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the daemon closed this connection without a (further) answer."""
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:  # it closed with our request unread
+        return True
+
+
+def test_the_fd_channel_drops_oversized_idle_and_excess_connections_and_serves_on(daemon):
+    path = fd_socket_path(daemon.socket)
+    oversized = connect(path, 30)
+    oversized.send(b"\x80" * 5000)
+    assert closed(oversized), "an oversized request is dropped unanswered"
+    idle = [connect(path, 30) for _ in range(80)]  # past the cap: the oldest go at once, the rest in time
+    for sock in idle:
+        assert closed(sock), "an idle connection is dropped"
+        sock.close()
+    oversized.close()
+    chatty, planted = connect(path, 30), os.memfd_create("peerd")
+    request = msgpack.packb({"group": "nobody", "name": "default", "rank": 0})
+    socket.send_fds(chatty, [request], [planted])  # an fd offered to the daemon, then a second request
+    chatty.send(request)
+    assert msgpack.unpackb(chatty.recv(65536))["code"] == "NOT_FOUND"
+    assert closed(chatty), "one answer per connection, then it is closed"
+    chatty.close()
+    os.close(planted)
+    assert daemon.segments() == [], "the daemon kept no fd a client sent it"
+    assert fetch_code(path, {"group": "nobody", "name": "default", "rank": 0}) == "NOT_FOUND"
+    assert daemon.cli("status").returncode == 0
+
+
+def test_a_socket_path_leaves_room_for_the_fd_channel_beside_it():
+    assert check_socket_path("/" + "s" * 103) == "/" + "s" * 103
+    with pytest.raises(ValueError, match="longer than 104 bytes"):
+        check_socket_path("/" + "s" * 104)

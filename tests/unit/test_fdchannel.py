@@ -1,0 +1,77 @@
+"""The fd channel's two halves in one process: wide sets, refusals, impostors."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from peerd.fdchannel import FDS_PER_MESSAGE, FdChannelServer, fetch_fds
+from peerd.protocol import ErrorCode, ProtocolError
+
+
+@pytest.fixture
+def channel(tmp_path):
+    """A channel whose answer is ``answers[rank]`` (or its error), served by a thread like the daemon's loop."""
+    answers: dict = {}
+
+    def answer(uid, gid, pid, request):
+        assert pid == os.getpid() and uid == os.geteuid()  # the kernel's word, not the request's
+        answers.setdefault("asked", []).append(request["rank"])
+        if isinstance(answers[request["rank"]], ProtocolError):
+            raise answers[request["rank"]]
+        return answers[request["rank"]]
+
+    server = FdChannelServer(str(tmp_path / "peerd.sock.fd"), None, answer)
+    poller, stop = zmq.Poller(), threading.Event()
+    server.attach(poller)
+
+    def loop():
+        while not stop.is_set():
+            server.serve(dict(poller.poll(50)), time.monotonic())
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    yield server.path, answers
+    stop.set()
+    thread.join()
+    server.close()
+    assert not os.path.exists(server.path)
+
+
+def test_a_set_wider_than_one_message_arrives_whole_and_in_rank_order(channel):
+    path, answers = channel
+    memory = [os.memfd_create("peerd-test"), os.memfd_create("peerd-test")]
+    npes = 2 * FDS_PER_MESSAGE + 3  # three messages
+    handles = [b"%04d" % r for r in range(npes)]
+    answers[0] = (handles, [memory[r % 2] for r in range(npes)])
+    try:
+        got, fds = fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10)
+        inodes = [os.fstat(fd).st_ino for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        assert got == handles
+        assert inodes == [os.fstat(memory[r % 2]).st_ino for r in range(npes)]
+    finally:
+        for fd in memory:
+            os.close(fd)
+
+
+def test_memory_from_another_process_than_the_daemon_is_refused(channel):
+    path, answers = channel
+    answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
+    with pytest.raises(ConnectionError, match=f"served by pid {os.getpid()}, not by the daemon"):
+        fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10, daemon_pid=os.getpid() + 1)
+    assert "asked" not in answers, "refused before asking for anything"
+    os.close(answers[0][1][0])
+
+
+def test_a_refusal_carries_the_daemons_code(channel):
+    path, answers = channel
+    answers[1] = ProtocolError(ErrorCode.NOT_MEMBER, "rank 1 belongs to pid 1")
+    with pytest.raises(ProtocolError) as refused:
+        fetch_fds(path, {"group": "g", "name": "n", "rank": 1}, 10)
+    assert refused.value.code is ErrorCode.NOT_MEMBER and refused.value.message == "rank 1 belongs to pid 1"
