@@ -35,6 +35,7 @@ as env(1) and timeout(1) report them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
