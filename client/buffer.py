@@ -77,7 +77,7 @@ class PeerBuffer:
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
         self.device = torch.device(device) if device is not None else default_device()
-        self._mapper = backend_mapper(backend_for(self.device))
+        self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
         where = f"group={member.key} name={name} rank {member.rank}"
 
         try:

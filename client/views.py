@@ -28,12 +28,20 @@ def default_device():
     return torch.device("cpu")
 
 
-def backend_for(device) -> str:
-    """Which memory backend serves a torch device."""
+def backend_for(device, served: str) -> str:
+    """Which backend's mapper opens a torch device's handles, given the daemon's backend.
+
+    A GPU device takes the daemon's GPU backend (cuda or hip): the handles
+    are the daemon's, so its runtime must open them, whatever torch was built
+    for. A daemon that serves no GPU (host) leaves torch's own runtime, and
+    the join then names the device the daemon does not serve.
+    """
     torch = require_torch()
     if device.type == "cpu":
         return "host"
     if device.type == "cuda":
+        if served in ("cuda", "hip"):
+            return served
         return "hip" if torch.version.hip else "cuda"
     raise ValueError(f"peerd serves cpu and cuda devices, not {device}")
 
