@@ -210,9 +210,10 @@ def restart(args) -> dict:
 
 
 def forked(args) -> dict:
-    """A forked child must not use its parent's buffer, and may open its own connection."""
+    """A forked child must not use its parent's buffer nor vote as its rank, and may open its own connection."""
 
-    from peerd_client import ForkedProcessError, PeerBuffer, tp_agree
+    from peerd_client import ForkedProcessError, MonoUnsupported, PeerBuffer, tp_agree
+    from peerd_client.connection import connection
 
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     read, write = os.pipe()
@@ -227,6 +228,15 @@ def forked(args) -> dict:
             except ForkedProcessError as err:
                 said["verdict"] = str(err)
             said["own"] = tp_agree(True, f"{args.group}-child{args.rank}", 0, 1)  # its own connection
+            try:
+                said["agree"] = tp_agree(False, args.group)  # the membership it inherited is not its own
+            except ForkedProcessError as err:
+                said["agree"] = str(err)
+            try:  # past the client's guard, the daemon refuses it too
+                body = {"group": args.group, "rank": args.rank, "npes": args.npes, "ok": False, "timeout": 30}
+                said["vote"] = connection().call("agree", body, timeout=40)
+            except MonoUnsupported as err:
+                said["vote"] = err.code
             del buf  # collection in the child must not release the parent's rank
         except Exception as err:
             said["error"] = repr(err)

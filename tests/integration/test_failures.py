@@ -80,7 +80,9 @@ def test_a_forked_child_gets_a_clear_error_and_leaves_the_parent_alone(daemon):
         assert r["ok"], r
         assert "is a forked child and shares none of its mappings" in r["child"]["verdict"]
         assert r["child"]["own"] is True and r["child_status"] == 0
-        assert r["agreed"] is True and r["pointers"] == 2
+        assert "is a forked child and holds none of its ranks" in r["child"]["agree"], r
+        assert r["child"]["vote"] == "NOT_MEMBER", "only the process holding a rank may vote for it"
+        assert r["agreed"] is True and r["pointers"] == 2, "the parents' rounds are unaffected"
     assert daemon.segments() == []
 
 
