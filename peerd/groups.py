@@ -133,11 +133,15 @@ class Round:
     def finish(self, ok: bool, reason: str) -> Outbox:
         """Settle the round and answer every waiter."""
         self.result = (ok, reason)
+        self.abandon()
+        waiters, self.waiters = self.waiters, {}
+        return [Send(c, {"ok": ok, "reason": reason}) for c in waiters.values()]
+
+    def abandon(self) -> None:
+        """Settled, or nobody left to wait on it: drop its timeout."""
         if self.on_settle is not None:
             self.on_settle()
             self.on_settle = None
-        waiters, self.waiters = self.waiters, {}
-        return [Send(c, {"ok": ok, "reason": reason}) for c in waiters.values()]
 
     def answer(self, caller: Caller) -> Send:
         assert self.result is not None
@@ -705,6 +709,8 @@ class Registry:
         if self.agreements.get(agreement.key) is agreement:
             del self.agreements[agreement.key]
             self._count(self.agreements_by_uid, agreement.owner_uid, -1)
+            for rnd in agreement.rounds.values():
+                rnd.abandon()
 
     def _rank_holders(self, uid: int | None, group: str, rank: int) -> set[int]:
         """Pids holding ``rank`` in a live buffer set of the group: the only ones who may vote for it."""

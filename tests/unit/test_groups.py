@@ -372,6 +372,11 @@ def test_one_uid_keeps_a_bounded_number_of_agreements_and_open_rounds(reg, monke
     assert full.code is ErrorCode.LIMIT_EXCEEDED and "4 agreement rounds unsettled" in full.message
     reg.expire(100.0)  # every round times out: nothing is open any more
     assert reg.open_rounds_by_uid == {} and reg.agree(("c", 6), 100, {**vote, "group": "g1"}, 200.0, uid=5) == []
+    reg.process_died(100, 201.0)  # its only member died after voting: nobody waits on those rounds
+    assert reg.open_rounds_by_uid == {} and reg.agreements_by_uid == {6: 1}
+    assert reg.next_deadline() is None, "the abandoned round's timer went with it"
+    reg.process_died(300, 202.0)
+    assert reg.agreements == {} and reg.agreements_by_uid == {}
 
 
 class CountingDict(dict):
