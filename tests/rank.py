@@ -144,10 +144,11 @@ def cache(args) -> dict:
 
 
 def call(args) -> dict:
-    """One raw request through the client's connection: --op and --body (JSON)."""
+    """One raw request through the client's connection: --op and --body (JSON), waiting --timeout if given."""
     from peerd_client.connection import connection
 
-    return {"reply": connection().call(args.op, json.loads(args.body))}
+    deadline = {"timeout": args.timeout} if args.timeout else {}
+    return {"reply": connection().call(args.op, json.loads(args.body), **deadline)}
 
 
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")

@@ -194,6 +194,29 @@ def test_a_rank_resumed_after_its_deadline_sees_the_verdict_and_holds_nothing(da
     assert daemon.segments() == []
 
 
+def test_a_call_past_its_deadline_still_reads_the_answer_that_came(daemon):
+    """As for a process stopped through its whole deadline: the answer is there, so it is the result."""
+    (result,) = run_ranks(daemon, "call", 1, "--op", "status", "--timeout", "0.000001")
+    assert result["ok"] and result["reply"]["pid"] == daemon.proc.pid, result
+
+
+def test_a_rank_that_gives_up_on_its_join_releases_its_slot_once_the_daemon_answers(daemon):
+    rank = start_rank(daemon, "patient", 1, 2, "--group", "gave-up", "--timeout", "120", stdin=subprocess.PIPE)
+    _line(rank, "READY")
+    _say(rank)
+    wait_until(joined(daemon, "gave-up", 1), 60, "rank 1 to join")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        outcome = json.loads(_line(rank, "OUTCOME")[8:])  # the heartbeat: it gives up, far inside its 120 s
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert outcome["type"] == "DaemonUnavailable", outcome
+    wait_until(lambda: _held(daemon) == [], 30, "its slot to be released")
+    assert rank.poll() is None, "released by the rank that gave up, not by its exit"
+    _say(rank)
+    finish(rank)
+
+
 def test_a_reload_that_raises_the_default_timeout_does_not_make_a_worker_give_up_first(socket_dir):
     config = Path(socket_dir) / "peerd.toml"
     config.write_text("rendezvous_timeout = 2\n")
