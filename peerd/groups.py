@@ -415,11 +415,15 @@ class Registry:
         return None
 
     def _account(self, uid: int | None, device: str, size: int) -> None:
-        self.bytes_by_uid[uid] = self.bytes_by_uid.get(uid, 0) + size
-        self.bytes_by_device[device] = self.bytes_by_device.get(device, 0) + size
-        for table, key in ((self.bytes_by_uid, uid), (self.bytes_by_device, device)):
-            if table[key] == 0:
-                del table[key]
+        self._count(self.bytes_by_uid, uid, size)
+        self._count(self.bytes_by_device, device, size)
+
+    @staticmethod
+    def _count(table: dict, key: Any, delta: int) -> None:
+        """Add to a tally; a key that reaches zero leaves the table, so nothing grows."""
+        table[key] = table.get(key, 0) + delta
+        if not table[key]:
+            del table[key]
 
     @staticmethod
     def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
@@ -642,7 +646,7 @@ class Registry:
                                     f"(at most {MAX_AGREEMENTS_PER_UID}); group={group} must wait until the "
                                     "processes of another one exit")]
             agreement = self.agreements[key] = Agreement(group, npes, uid)
-            self.agreements_by_uid[uid] = kept + 1
+            self._count(self.agreements_by_uid, uid, 1)
             # ranks of this group that died holding a buffer set are members too
             for bset in self._group_sets(uid, group):
                 for slot in bset.slots.values():
@@ -669,9 +673,9 @@ class Registry:
                 return out + [_fail(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             rnd = agreement.rounds[k] = Round(npes)
             timeout = req["timeout"] or self.agreement_timeout
-            timer = self._at(now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
-            self.open_rounds_by_uid[uid] = self.open_rounds_by_uid.get(uid, 0) + 1
-            rnd.on_settle = lambda: (self._cancel(timer), self._count(self.open_rounds_by_uid, uid, -1))
+            rnd.on_settle = self._open_round(
+                uid, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout)
+            )
         agreement.calls[rank] = k
         settled = rnd.result is not None
         if settled:
@@ -686,6 +690,17 @@ class Registry:
         self._collect(agreement)
         return out
 
+    def _open_round(self, uid: int | None, deadline: float, check: Callable[[float], Outbox]) -> Callable[[], None]:
+        """Count one more round open for ``uid`` and time it; what to call once it settles."""
+        timer = self._at(deadline, check)
+        self._count(self.open_rounds_by_uid, uid, 1)
+
+        def settled() -> None:
+            self._cancel(timer)
+            self._count(self.open_rounds_by_uid, uid, -1)
+
+        return settled
+
     def _round_limits(self, agreement: Agreement, rank: int, k: int) -> str | None:
         """Why ``rank`` may not open round ``k``: too far ahead, or its uid keeps too many rounds open."""
         behind, slowest = agreement.slowest()
@@ -698,12 +713,6 @@ class Registry:
             return (f"uid {agreement.owner_uid} already keeps {open_rounds} agreement rounds unsettled "
                     f"(at most {MAX_PENDING_ROUNDS_PER_UID}); wait for them to settle")
         return None
-
-    @staticmethod
-    def _count(table: dict, key: Any, delta: int) -> None:
-        table[key] = table.get(key, 0) + delta
-        if not table[key]:
-            del table[key]
 
     def _drop_agreement(self, agreement: Agreement) -> None:
         if self.agreements.get(agreement.key) is agreement:
