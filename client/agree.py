@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from .connection import GRACE_S, connection
-from .groupkey import resolve
+from .errors import ForkedProcessError
+from .groupkey import joined_by, resolve
 
 log = logging.getLogger("peerd_client")
 
@@ -20,12 +22,18 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     if group is None:
         return bool(ok)
     conn = connection()
-    wait = (timeout or conn.hello["agreement_timeout"]) + GRACE_S
-    member = resolve(group, rank, npes, wait)
+    timeout = timeout or conn.hello["agreement_timeout"]  # decided here and sent: the daemon waits as long
+    member = resolve(group, rank, npes, timeout + GRACE_S)
+    joiner = joined_by(member.key)
+    if joiner is not None and joiner != os.getpid():
+        raise ForkedProcessError(
+            f"group={member.key} was joined by pid {joiner}; pid {os.getpid()} is a forked child and holds "
+            "none of its ranks: only the process holding a rank may vote for it (agree in a group of its own)"
+        )
     verdict = conn.call(
         "agree",
         {"group": member.key, "rank": member.rank, "npes": member.npes, "ok": bool(ok), "timeout": timeout},
-        timeout=wait,
+        timeout=timeout + GRACE_S,
     )
     if not verdict["ok"] and verdict["reason"]:
         log.warning("tp_agree on group=%s is False: %s", member.key, verdict["reason"])

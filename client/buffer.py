@@ -10,7 +10,7 @@ from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
 from peerd.protocol import ProtocolError
 
-from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection
+from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, undelivered
 from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import mappings
@@ -72,7 +72,10 @@ class PeerBuffer:
         self._handles: list[bytes] = []
         self._released = True
         self._conn = conn = connection()
-        wait = (timeout or conn.hello["rendezvous_timeout"]) + GRACE_S
+        # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
+        rendezvous = timeout or conn.hello["rendezvous_timeout"]
+        agreement = timeout or conn.hello["agreement_timeout"]
+        wait = rendezvous + GRACE_S
         member = resolve(group, rank, npes, wait)
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
@@ -89,10 +92,13 @@ class PeerBuffer:
                     "nbytes": nbytes,
                     "device": self._mapper.device_identity(self.device.index),
                     "flags": flags,
-                    "timeout": timeout,
+                    "timeout": rendezvous,
                 },
                 timeout=wait,
             )
+        except DaemonUnavailable as err:
+            conn.send_later("release", self._slot(member))  # whatever the daemon still holds for this rank
+            raise type(err)(f"peer memory rendezvous failed ({where}): {err}", err.code) from None
         except MonoUnsupported as err:
             raise type(err)(f"peer memory rendezvous failed ({where}): {err}", err.code) from None
         self._released = False
@@ -114,12 +120,11 @@ class PeerBuffer:
             for fd in fds:  # a mapping keeps the memory; the fds are spent
                 os.close(fd)
         reason = "" if failure is None else f"{type(failure).__name__}: {failure}"
-        agreed_wait = (timeout or conn.hello["agreement_timeout"]) + GRACE_S
         try:
             verdict = conn.call(
                 "commit",
-                {**self._slot(member), "ok": failure is None, "reason": reason, "timeout": timeout},
-                timeout=agreed_wait,
+                {**self._slot(member), "ok": failure is None, "reason": reason, "timeout": agreement},
+                timeout=agreement + GRACE_S,
             )
         except MonoUnsupported as err:
             self.close()
@@ -176,8 +181,9 @@ class PeerBuffer:
         """Unmap every peer, then release this rank's hold; idempotent.
 
         The daemon frees the memory once every rank has released (or died), so
-        closing never pulls memory from under a peer. Never raises: a daemon
-        that went away has freed everything already.
+        closing never pulls memory from under a peer. Never raises: a release
+        the daemon does not answer now (it stalled) is sent again once it
+        does; a daemon that restarted has freed everything already.
         """
         self._close(wait=True)
 
@@ -201,6 +207,10 @@ class PeerBuffer:
                 self._conn.call("release", slot)
             else:
                 self._conn.send_later("release", slot)
+        except DaemonUnavailable as err:
+            log.warning("release of group=%s name=%s rank %d waits for the daemon: %s",
+                        self.group_key, self.name, self.rank, err)
+            undelivered.add("release", slot)
         except MonoUnsupported as err:
             log.warning("release of group=%s name=%s rank %d: %s", self.group_key, self.name, self.rank, err)
 

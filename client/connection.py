@@ -7,12 +7,25 @@ that gave up are dropped. A socket monitor reports the connection dropping
 answering), so a call waiting on a dead daemon fails within a heartbeat
 instead of hanging, and the next call says the daemon went away.
 
+A call whose deadline passes first reads every reply already queued, then
+asks the daemon a ``hello`` probe: replies come in order, so the probe's
+answer proves the call's own will not come. A process stopped (SIGSTOP)
+through its deadline thus still sees the verdict that came meanwhile.
+
+Releases are fire and forget, and must not be lost with a connection: one
+that cannot go out (the daemon stalled past the heartbeat, or restarted)
+waits in a process-wide queue, sent on the next connection and retried in
+the background until a daemon answers, so a worker that closes gets its
+memory released once the daemon is back.
+
 Fork guard: a forked child must not share its parent's socket. The child
-starts with no connection and opens its own on first use.
+starts with no connection and opens its own on first use; it inherits no
+undelivered release (those are its parent's ranks).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import struct
@@ -23,7 +36,7 @@ from typing import Any
 import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
-from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, decode_reply, encode_request
+from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, Reply, decode_reply, encode_request
 from peerd.trust import (
     DAEMON_USER_ADVICE,
     SocketPathError,
@@ -43,6 +56,11 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: how much longer than the daemon's own deadline a client waits for its verdict
 GRACE_S = 5.0
+#: how long a call past its deadline waits for the answer to its probe
+PROBE_TIMEOUT_S = 2.0
+#: undelivered releases are retried this often, for at most this long
+RETRY_EVERY_S = 1.0
+RETRY_FOR_S = 600.0
 CLOSED = "closed"
 
 
@@ -54,7 +72,7 @@ class Connection:
         self._ids = itertools.count(1)
         self._lost: str | None = None
         self._owner: int | None = None  # the thread inside call(), if any
-        self._deferred: list[bytes] = []  # requests no one waits for, sent before the next call
+        self._deferred: list[tuple[str, dict]] = []  # requests no one waits for, sent before the next call
         try:
             trusted = client_trusts()
             check_socket(self.path, trusted)
@@ -157,33 +175,46 @@ class Connection:
                 self._owner = None
 
     def _call(self, op: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self._check_lost()
+        try:
+            self._check_lost()
+        except DaemonUnavailable:
+            undelivered.extend(self._deferred)  # they go out on the next connection
+            self._deferred.clear()
+            raise
         while self._deferred:
-            self._sock.send(self._deferred.pop(0))
+            self._send(*self._deferred.pop(0))
+        request_id = self._send(op, body)
+        reply = self._await(op, (request_id,), time.monotonic() + timeout)
+        if reply is None and op != "hello":  # past the deadline: did its answer come while this process was stopped?
+            reply = self._await(op, (request_id, self._send("hello", {})), time.monotonic() + PROBE_TIMEOUT_S)
+        if reply is None or reply.id != request_id:
+            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s")
+        if reply.ok:
+            return reply.body
+        raise MonoUnsupported(reply.error.message, reply.error.code.value)
+
+    def _send(self, op: str, body: dict[str, Any]) -> int:
         request_id = next(self._ids)
         self._sock.send(encode_request(request_id, op, body))
-        deadline = time.monotonic() + timeout
-        poller = self._poller
+        return request_id
+
+    def _await(self, op: str, ids: tuple[int, ...], deadline: float) -> Reply | None:
+        """The first reply to one of ``ids``; None once the deadline passed and no reply is left queued."""
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise DaemonUnavailable(
-                    f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s"
-                )
-            events = dict(poller.poll(int(left * 1000) + 1))
-            if self._sock not in events:
-                if self._monitor in events:  # only once every reply that came is read
-                    self._check_lost()
-                continue
-            try:
-                reply = decode_reply(self._sock.recv())
-            except ProtocolError as err:
-                raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value)
-            if reply.id != request_id:
+            events = dict(self._poller.poll(int(left * 1000) + 1 if left > 0 else 0))
+            if self._sock in events:
+                try:
+                    reply = decode_reply(self._sock.recv())
+                except ProtocolError as err:
+                    raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value)
+                if reply.id in ids:
+                    return reply
                 continue  # the late answer to a call that gave up
-            if reply.ok:
-                return reply.body
-            raise MonoUnsupported(reply.error.message, reply.error.code.value)
+            if left <= 0:
+                return None
+            if self._monitor in events:  # only once every reply that came is read
+                self._check_lost()
 
     def send_later(self, op: str, body: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (its reply is skipped as stray).
@@ -191,20 +222,86 @@ class Connection:
         For finalizers: a garbage-collection pass can run inside call() on this
         very thread, where taking the lock would deadlock; then the request
         waits for the next call (a process that never calls again is released
-        by the daemon when it exits). From any other thread it goes out now.
+        by the daemon when it exits). From any other thread it goes out now;
+        on a connection that was lost it waits for the next one.
         """
-        frame = encode_request(next(self._ids), op, body)
         if self._owner == threading.get_ident():  # inside call() on this thread: taking the lock would hang
-            self._deferred.append(frame)
+            self._deferred.append((op, body))
             return
         if not self._lock.acquire(timeout=REQUEST_TIMEOUT_S):
-            self._deferred.append(frame)  # another thread is in a long call: it goes out after that
+            self._deferred.append((op, body))  # another thread is in a long call: it goes out after that
             return
         try:
             self._check_lost()
-            self._sock.send(frame)
+            self._send(op, body)
+        except DaemonUnavailable:
+            undelivered.add(op, body)
         finally:
             self._lock.release()
+
+
+class Undelivered:
+    """Fire-and-forget requests (releases) that no connection delivered yet.
+
+    Sent on the next connection, and retried by a background thread every
+    RETRY_EVERY_S for at most RETRY_FOR_S while any wait. An entry is done
+    once a daemon answered it at all: NOT_FOUND from a restarted daemon means
+    it freed everything already. A deque, so a finalizer may add to it from
+    inside a flush without a lock to deadlock on.
+    """
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[tuple[str, dict]] = collections.deque()
+        self._retrying: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, op: str, body: dict[str, Any]) -> None:
+        self.extend([(op, body)])
+
+    def extend(self, requests: list[tuple[str, dict]]) -> None:
+        if not requests:
+            return
+        self._entries.extend(requests)
+        if self._retrying is None or not self._retrying.is_alive():
+            try:
+                self._retrying = threading.Thread(target=self._retry, name="peerd-release-retry", daemon=True)
+                self._retrying.start()
+            except RuntimeError:  # the interpreter is exiting: the daemon frees a dead process's ranks
+                pass
+
+    def flush(self, conn: Connection) -> None:
+        """Deliver every waiting request over ``conn``; stop at the first the daemon does not answer."""
+        for _ in range(len(self._entries)):
+            try:
+                op, body = self._entries.popleft()
+            except IndexError:
+                return
+            try:
+                conn.call(op, body, timeout=CONNECT_TIMEOUT_S)
+            except DaemonUnavailable:
+                self._entries.appendleft((op, body))
+                return
+            except MonoUnsupported:
+                pass  # answered: NOT_FOUND or a failure verdict, nothing is held for it any more
+
+    def _retry(self) -> None:
+        until = time.monotonic() + RETRY_FOR_S
+        while self._entries and time.monotonic() < until:
+            time.sleep(RETRY_EVERY_S)
+            try:
+                self.flush(connection())
+            except (MonoUnsupported, ValueError):  # no daemon yet: try again
+                continue
+
+    def forget(self) -> None:
+        """A forked child: its parent's releases are not its own."""
+        self._entries.clear()
+        self._retrying = None
+
+
+undelivered = Undelivered()
 
 
 def daemon_answers(path: str, timeout: float = 0.5) -> bool:
@@ -223,19 +320,29 @@ _connection_lock = threading.Lock()
 def _forget_after_fork() -> None:
     global _connection, _connection_lock
     _connection, _connection_lock = None, threading.Lock()
+    undelivered.forget()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def connection() -> Connection:
-    """This process's connection, opened on first use or after the daemon went away."""
+    """This process's connection, opened on first use or after the daemon went away.
+
+    A fresh connection first delivers the releases a lost one could not.
+    """
     global _connection
     with _connection_lock:
+        fresh = False
         if _connection is not None and _connection._lost:
+            undelivered.extend(_connection._deferred)
+            _connection._deferred.clear()
             _connection.close()
             _connection = None
         if _connection is None:
-            _connection = Connection(default_socket())
-        return _connection
+            _connection, fresh = Connection(default_socket()), True
+        conn = _connection
+    if fresh and len(undelivered):
+        undelivered.flush(conn)
+    return conn
 

@@ -27,8 +27,9 @@ class Membership:
 
 _pg_keys: dict[int, tuple[object, str]] = {}  # id(pg) -> (pg kept alive, key)
 _lock = threading.Lock()
-#: rank and npes of every string-keyed group this process joined, for tp_agree
-_joined: dict[str, Membership] = {}
+#: rank and npes of every string-keyed group joined, for tp_agree, and the pid
+#: that joined it: a forked child inherits this table but none of the ranks
+_joined: dict[str, tuple[Membership, int]] = {}
 
 
 def _forget_after_fork() -> None:
@@ -40,7 +41,13 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def remember(member: Membership) -> None:
-    _joined[member.key] = member
+    _joined[member.key] = (member, os.getpid())
+
+
+def joined_by(key: str) -> int | None:
+    """The pid that joined a PeerBuffer of ``key`` (this process's parent, after a fork), if any did."""
+    known = _joined.get(key)
+    return known[1] if known else None
 
 
 def _process_group_key(pg, rank: int, timeout: float) -> str:
@@ -70,7 +77,7 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                     f"group {group!r} is a string key: pass rank= and npes= "
                     "(or join a PeerBuffer of that group in this process first)"
                 )
-            return known
+            return known[0]
         return Membership(group, rank, npes)
     if hasattr(group, "rank") and hasattr(group, "size"):
         import torch.distributed as dist

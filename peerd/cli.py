@@ -18,6 +18,7 @@ from dataclasses import replace
 import click
 
 from . import __version__
+from .escape import EscapingFormatter, escape
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
 
@@ -28,7 +29,9 @@ EXIT_UNREACHABLE = 3
 def _setup_logging(level: str) -> None:
     # journald stamps every line itself; a terminal gets our own timestamps
     stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-    logging.basicConfig(level=level.upper(), format=stamp + "%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter(stamp + "%(levelname)s %(name)s: %(message)s"))  # one record, one line
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def _socket_option(function):
@@ -113,15 +116,15 @@ def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
     try:
         conn = Connection(socket_path)
     except (DaemonUnavailable, ValueError) as err:
-        click.echo(f"peerd: unreachable: {err}", err=True)
+        click.echo(f"peerd: unreachable: {escape(str(err))}", err=True)
         sys.exit(EXIT_UNREACHABLE)
     try:
         return conn.call(op, body or {})
     except DaemonUnavailable as err:
-        click.echo(f"peerd: unreachable: {err}", err=True)
+        click.echo(f"peerd: unreachable: {escape(str(err))}", err=True)
         sys.exit(EXIT_UNREACHABLE)
     except MonoUnsupported as err:
-        click.echo(f"peerd: {op} refused ({err.code}): {err}", err=True)
+        click.echo(f"peerd: {op} refused ({err.code}): {escape(str(err))}", err=True)
         sys.exit(1)
     finally:
         conn.close()
@@ -148,7 +151,7 @@ def status(socket_path: str, as_json: bool) -> None:
     click.echo(f"peerd {info['version']} (pid {info['pid']}) serving {info['socket']}: {info['health']}"
                + (" (draining)" if info["draining"] else ""))
     for problem in info["problems"]:
-        click.echo(f"  problem: {problem}")
+        click.echo(f"  problem: {escape(problem)}")
     click.echo(
         f"backend {info['backend']}, up {info['uptime_s']:.0f}s, {info['groups']} buffer set(s), "
         f"{info['ranks_held']} rank(s) held, {_size(info['bytes_allocated'])} allocated, "
@@ -167,7 +170,10 @@ def status(socket_path: str, as_json: bool) -> None:
 @_socket_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_groups(socket_path: str, as_json: bool) -> None:
-    """Every buffer set the daemon holds: key, name, ranks, bytes, state, pids, age."""
+    """Every buffer set the daemon holds: key, name, owner uid, ranks, bytes, state, pids, age.
+
+    Root and the daemon's user see every uid's sets; anyone else sees their own.
+    """
     groups = _ask(socket_path, "ls")["groups"]
     if as_json:
         click.echo(json.dumps(groups, indent=2, sort_keys=True))
@@ -175,15 +181,16 @@ def list_groups(socket_path: str, as_json: bool) -> None:
     if not groups:
         click.echo("no buffer sets")
         return
-    rows = [("GROUP", "NAME", "RANKS", "BYTES", "STATE", "PIDS", "AGE")]
+    rows = [("GROUP", "NAME", "UID", "RANKS", "BYTES", "STATE", "PIDS", "AGE")]
     for g in groups:
         rows.append(
             (
-                g["group"],
-                g["name"],
+                escape(g["group"]),
+                escape(g["name"]),
+                str(g["uid"]),
                 f"{len(g['joined'])}/{g['npes']}",
                 _size(g["nbytes"]),
-                g["state"] + (f" ({g['failure']})" if g["failure"] else ""),
+                escape(g["state"] + (f" ({g['failure']})" if g["failure"] else "")),
                 ",".join(str(p) for p in g["pids"].values()),
                 f"{g['age_s']:.0f}s",
             )
@@ -210,24 +217,29 @@ def selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, time
 @_socket_option
 @click.argument("group")
 @click.option("--name", default=None, help="Only this buffer set of the group (default: all of them).")
+@click.option("--uid", type=click.IntRange(min=0), default=None,
+              help="Only the group of this uid's namespace (default: that group of every uid).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def evict(socket_path: str, group: str, name: str | None, yes: bool) -> None:
+def evict(socket_path: str, group: str, name: str | None, uid: int | None, yes: bool) -> None:
     """Free a stuck group's memory by force (root or the daemon's user only).
 
-    Its holders are not asked: any kernel of theirs still polling the memory
-    will touch freed memory. Use it for a group stuck behind processes that
-    will not let go, after stopping them if you can.
+    Every user has a group namespace of its own: GROUP is evicted in each,
+    unless --uid names one. Its holders are not asked: any kernel of theirs
+    still polling the memory will touch freed memory. Use it for a group
+    stuck behind processes that will not let go, after stopping them if you can.
     """
     sets = [g for g in _ask(socket_path, "ls")["groups"]
-            if g["group"] == group and (name is None or g["name"] == name)]
+            if g["group"] == group and (name is None or g["name"] == name) and (uid is None or g["uid"] == uid)]
     if not sets:
-        click.echo(f"peerd: no buffer set of group {group!r}" + (f" named {name!r}" if name else ""), err=True)
+        click.echo(f"peerd: no buffer set of group {group!r}" + (f" named {name!r}" if name else "")
+                   + (f" of uid {uid}" if uid is not None else ""), err=True)
         sys.exit(1)
     for g in sets:
         pids = ", ".join(str(g["pids"][str(r)]) for r in g["held"]) or "none"
-        click.echo(f"WARNING: group={g['group']} name={g['name']} ({g['state']}) is held by pids {pids}; "
-                   "kernels of those processes may still touch its memory after it is freed.", err=True)
+        click.echo(f"WARNING: group={escape(g['group'])} name={escape(g['name'])} of uid {g['uid']} ({g['state']}) "
+                   f"is held by pids {pids}; kernels of those processes may still touch its memory after it is "
+                   "freed.", err=True)
     if not yes:
         click.confirm("Evict and free it now?", abort=True, err=True)
-    for entry in _ask(socket_path, "evict", {"group": group, "name": name})["evicted"]:
-        click.echo(f"evicted group={entry['group']} name={entry['name']}")
+    for entry in _ask(socket_path, "evict", {"group": group, "name": name, "uid": uid})["evicted"]:
+        click.echo(f"evicted group={escape(entry['group'])} name={escape(entry['name'])} of uid {entry['uid']}")

@@ -15,6 +15,18 @@ out is freed at once: nobody can have mapped it.
 Failure is reported to every waiting rank, never left to a hang: a mismatch,
 an allocation failure, a timeout or a death fails the whole rendezvous or
 agreement round, with a message naming the ranks and pids involved.
+
+Every uid has its own key namespace: a buffer set is keyed by (owner uid,
+group, name) and an agreement by (owner uid, group), so no user can block,
+join or even see another user's group of the same name (root's workers join
+root's namespace like anyone else). Only the administrators (root and the
+daemon's uid) see every namespace, in ``listing`` and ``evict``.
+
+Agreements are bounded: a rank may run at most ``MAX_RUN_AHEAD`` rounds ahead
+of the slowest live member (a legitimate rank waits for each round), and one
+uid may keep at most ``MAX_AGREEMENTS_PER_UID`` agreements and
+``MAX_PENDING_ROUNDS_PER_UID`` unsettled rounds, so pipelined votes cost
+linear time and bounded memory.
 """
 
 from __future__ import annotations
@@ -30,9 +42,15 @@ from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.groups")
 
-#: Settled agreement rounds kept for ranks that have not reached them yet; a
-#: rank further behind than this gets a fresh round (and a timeout), not a hang.
-MAX_SETTLED_ROUNDS = 64
+#: How many rounds a rank may be ahead of the slowest live member of its
+#: agreement; a legitimate rank waits for each round, so it is at most one ahead.
+MAX_RUN_AHEAD = 8
+
+#: Agreements one uid may keep at once (kept while any member lives).
+MAX_AGREEMENTS_PER_UID = 1024
+
+#: Agreement rounds one uid may keep unsettled at once, over all its agreements.
+MAX_PENDING_ROUNDS_PER_UID = 1024
 
 Caller = Hashable  # opaque to this module: the server's routing id and request id
 
@@ -51,15 +69,6 @@ Outbox = list[Send]
 
 def _fail(caller: Caller, code: ErrorCode, message: str) -> Send:
     return Send(caller, error=ProtocolError(code, message))
-
-
-def _same_owner(owner: int | None, uid: int | None) -> bool:
-    """Ranks of one group run as one user; root may join anyone's (it can read their memory anyway)."""
-    return owner is None or uid is None or uid == 0 or uid == owner
-
-
-def _foreign(caller: Caller, uid: int | None, owner: int | None, label: str) -> Send:
-    return _fail(caller, ErrorCode.FORBIDDEN, f"{label} belongs to uid {owner}; uid {uid} may not join it")
 
 
 @dataclass(frozen=True)
@@ -107,8 +116,7 @@ class Round:
     reasons: list[str] = field(default_factory=list)
     waiters: dict[int, Caller] = field(default_factory=dict)
     result: tuple[bool, str] | None = None
-    cancel_timer: Callable[[], None] | None = None  # its timeout, once settled
-
+    on_settle: Callable[[], None] | None = None  # cancels its timeout (and counts it settled)
 
     def vote(self, rank: int, ok: bool, reason: str, caller: Caller) -> Outbox:
         self.votes[rank] = ok
@@ -125,11 +133,15 @@ class Round:
     def finish(self, ok: bool, reason: str) -> Outbox:
         """Settle the round and answer every waiter."""
         self.result = (ok, reason)
-        if self.cancel_timer is not None:
-            self.cancel_timer()
-            self.cancel_timer = None
+        self.abandon()
         waiters, self.waiters = self.waiters, {}
         return [Send(c, {"ok": ok, "reason": reason}) for c in waiters.values()]
+
+    def abandon(self) -> None:
+        """Settled, or nobody left to wait on it: drop its timeout."""
+        if self.on_settle is not None:
+            self.on_settle()
+            self.on_settle = None
 
     def answer(self, caller: Caller) -> Send:
         assert self.result is not None
@@ -146,28 +158,39 @@ class Agreement:
     owner_uid: int | None
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid that votes for it
     calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
-    rounds: dict[int, Round] = field(default_factory=dict)
+    rounds: dict[int, Round] = field(default_factory=dict)  # numbered without gaps from ``floor``
     dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
+    floor: int = 1  # the oldest round still kept
+
+    @property
+    def key(self) -> tuple[int | None, str]:
+        return (self.owner_uid, self.group)
+
+    def slowest(self) -> tuple[int, int]:
+        """(rounds entered, rank) of the slowest live member; one not seen yet has entered none."""
+        live = [(self.calls.get(r, 0), r) for r in range(self.npes) if r not in self.dead]
+        return min(live, default=(max(self.calls.values(), default=0), -1))
 
     def collect(self) -> None:
         """Forget rounds every live rank has passed; a dead rank passes them all.
 
-        With no round left every live rank has made the same number of calls,
-        so the count starts again from zero: nothing grows while a group lives.
-        The members stay known, so a rank that dies between rounds still fails
-        the next round at once instead of leaving its peers to time out.
+        Rounds are numbered without gaps, so only the oldest few are looked at
+        and each is forgotten once: the cost is linear in the rounds played,
+        however many a rank pipelines. With no round left every live rank has
+        made the same number of calls, so the count starts again from zero:
+        nothing grows while a group lives. The members stay known, so a rank
+        that dies between rounds still fails the next round at once instead of
+        leaving its peers to time out.
         """
-        for k in sorted(self.rounds):
-            r = self.rounds[k]
-            if r.result is None:
+        passed, _ = self.slowest()
+        while self.floor <= passed and self.floor in self.rounds:
+            if self.rounds[self.floor].result is None:
                 break
-            if all(self.calls.get(rank, 0) >= k or rank in self.dead for rank in range(self.npes)):
-                del self.rounds[k]
-        settled = sorted(k for k, r in self.rounds.items() if r.result is not None)
-        for k in settled[:-MAX_SETTLED_ROUNDS]:  # kept for late ranks, within reason
-            del self.rounds[k]
+            del self.rounds[self.floor]
+            self.floor += 1
         if not self.rounds:
             self.calls.clear()
+            self.floor = 1
 
     def finished(self) -> bool:
         """Every member it knew of is dead: nobody can still be waiting on it."""
@@ -199,7 +222,7 @@ class BufferSet:
     nbytes: int
     flags: int
     created: float
-    owner_uid: int | None  # every rank must run as this uid (root excepted)
+    owner_uid: int | None  # the namespace it lives in: the uid of the ranks that join it
     state: State = State.JOINING
     slots: dict[int, Slot] = field(default_factory=dict)
     commit: Round | None = None
@@ -211,6 +234,10 @@ class BufferSet:
     @property
     def label(self) -> str:
         return f"group={self.group} name={self.name}"
+
+    @property
+    def key(self) -> tuple[int | None, str, str]:
+        return (self.owner_uid, self.group, self.name)
 
     def holders(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.held]
@@ -233,18 +260,23 @@ class Registry:
         rendezvous_timeout: float = 60.0,
         agreement_timeout: float = 60.0,
         limits: Limits = Limits(),
+        admins: frozenset[int] = frozenset({0}),
     ):
         self._allocate = allocate
         self._free = free
         self.rendezvous_timeout = rendezvous_timeout
         self.agreement_timeout = agreement_timeout
         self.limits = limits
+        self.admins = admins  # uids that see and evict every uid's groups
         self.rank_deaths = 0  # processes that died holding a rank of a buffer set
         self.bytes_by_uid: dict[int | None, int] = {}
         self.bytes_by_device: dict[str, int] = {}
-        self.sets: dict[tuple[str, str], BufferSet] = {}  # the current set of each key
+        self.sets: dict[tuple[int | None, str, str], BufferSet] = {}  # the current set of each (uid, group, name)
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
-        self.agreements: dict[str, Agreement] = {}
+        self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
+        self.agreements: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
+        self.agreements_by_uid: dict[int | None, int] = {}
+        self.open_rounds_by_uid: dict[int | None, int] = {}  # agreement rounds not settled yet
         self._ids = itertools.count(1)
         self._timers: list[tuple[float, int]] = []  # heap of (deadline, timer id)
         self._checks: dict[int, Callable[[float], Outbox]] = {}  # live timers by id
@@ -266,10 +298,6 @@ class Registry:
             self._timers = [entry for entry in self._timers if entry[1] in self._checks]
             heapq.heapify(self._timers)
 
-    def _round_timer(self, rnd: Round, deadline: float, check: Callable[[float], Outbox]) -> None:
-        timer = self._at(deadline, check)
-        rnd.cancel_timer = lambda: self._cancel(timer)
-
     def next_deadline(self) -> float | None:
         """When expire() next has work."""
         while self._timers and self._timers[0][1] not in self._checks:
@@ -289,7 +317,7 @@ class Registry:
     # ------------------------------------------------------------ buffer sets
 
     def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        key = (req["group"], req["name"])
+        key = (uid, req["group"], req["name"])
         rank, npes = req["rank"], req["npes"]
         timeout = req["timeout"] or self.rendezvous_timeout
         if rank >= npes:
@@ -298,8 +326,6 @@ class Registry:
         if refusal:
             return [_fail(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
         bset = self.sets.get(key)
-        if bset is not None and not _same_owner(bset.owner_uid, uid):
-            return [_foreign(caller, uid, bset.owner_uid, bset.label)]
         if bset is not None and bset.state is State.FAILED and not bset.holders():
             bset.told.add(rank)
             out = [Send(caller, error=bset.failure)]
@@ -324,10 +350,11 @@ class Registry:
             if limit is not None and self.counted_sets() >= limit:
                 return [
                     _fail(caller, ErrorCode.LIMIT_EXCEEDED, f"the daemon already holds {limit} buffer sets "
-                          f"(--max-groups {limit}); a new group={key[0]} name={key[1]} must wait for one to be freed")
+                          f"(--max-groups {limit}); a new group={key[1]} name={key[2]} must wait for one to be freed")
                 ]
-            bset = BufferSet(next(self._ids), key[0], key[1], npes, req["nbytes"], req["flags"], now, uid)
+            bset = BufferSet(next(self._ids), key[1], key[2], npes, req["nbytes"], req["flags"], now, uid)
             self.sets[key] = bset
+            self._by_group.setdefault((uid, bset.group), {})[bset.id] = bset
         else:
             problem = self._mismatch(bset, req)
             if problem:
@@ -388,11 +415,15 @@ class Registry:
         return None
 
     def _account(self, uid: int | None, device: str, size: int) -> None:
-        self.bytes_by_uid[uid] = self.bytes_by_uid.get(uid, 0) + size
-        self.bytes_by_device[device] = self.bytes_by_device.get(device, 0) + size
-        for table, key in ((self.bytes_by_uid, uid), (self.bytes_by_device, device)):
-            if table[key] == 0:
-                del table[key]
+        self._count(self.bytes_by_uid, uid, size)
+        self._count(self.bytes_by_device, device, size)
+
+    @staticmethod
+    def _count(table: dict, key: Any, delta: int) -> None:
+        """Add to a tally; a key that reaches zero leaves the table, so nothing grows."""
+        table[key] = table.get(key, 0) + delta
+        if not table[key]:
+            del table[key]
 
     @staticmethod
     def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
@@ -462,8 +493,8 @@ class Registry:
                 bset.timers[:] = [self._at(keep, lambda t, b=bset: self._forget(b))]
         return out
 
-    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
-        bset, error = self._member_set(req, pid)
+    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        bset, error = self._member_set(req, pid, uid)
         if error:
             return [Send(caller, error=error)]
         if bset.state is State.JOINING:
@@ -474,7 +505,8 @@ class Registry:
             return [_fail(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
         if not bset.commit.votes:
             timeout = req["timeout"] or self.agreement_timeout
-            self._round_timer(bset.commit, now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
+            timer = self._at(now + timeout, lambda t, b=bset: self._commit_due(b, t, timeout))
+            bset.commit.on_settle = lambda: self._cancel(timer)
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
         if bset.commit.result is not None:
             ok, reason = bset.commit.result
@@ -496,8 +528,8 @@ class Registry:
         )
         return self._fail_set(bset, ErrorCode.TIMEOUT, message)
 
-    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float) -> Outbox:
-        bset, error = self._member_set(req, pid)
+    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        bset, error = self._member_set(req, pid, uid)
         if error:
             return [Send(caller, error=error)]
         slot = bset.slots[req["rank"]]
@@ -510,24 +542,25 @@ class Registry:
             out = self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
 
-    def opened_set(self, req: dict[str, Any], pid: int) -> BufferSet:
+    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None) -> BufferSet:
         """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
 
         Raises ProtocolError when there is none (NOT_MEMBER, NOT_FOUND, the set's failure).
         """
-        bset, error = self._member_set(req, pid)
+        bset, error = self._member_set(req, pid, uid)
         if error:
             raise error
         if bset.state not in (State.OPENING, State.LIVE):
             raise bset.failure or ProtocolError(ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")
         return bset
 
-    def _member_set(self, req: dict[str, Any], pid: int) -> tuple[BufferSet | None, ProtocolError | None]:
-        """The set in which ``pid`` holds ``rank``, or why there is none."""
-        key, rank = (req["group"], req["name"]), req["rank"]
-        candidates = [self.sets.get(key)] + [b for b in self.retired.values() if (b.group, b.name) == key]
-        for bset in candidates:
-            if bset is None:
+    def _member_set(
+        self, req: dict[str, Any], pid: int, uid: int | None
+    ) -> tuple[BufferSet | None, ProtocolError | None]:
+        """The set of ``uid``'s namespace in which ``pid`` holds ``rank``, or why there is none."""
+        key, rank = (uid, req["group"], req["name"]), req["rank"]
+        for bset in self._group_sets(uid, req["group"]):
+            if bset.name != req["name"]:
                 continue
             slot = bset.slots.get(rank)
             if slot is not None and slot.held and slot.pid == pid:
@@ -537,12 +570,12 @@ class Registry:
         if slot is not None and slot.held:
             return None, ProtocolError(
                 ErrorCode.NOT_MEMBER,
-                f"rank {rank} of group={key[0]} name={key[1]} belongs to pid {slot.pid}, not pid {pid}",
+                f"rank {rank} of group={key[1]} name={key[2]} belongs to pid {slot.pid}, not pid {pid}",
             )
         if current is not None and current.failure is not None:
             return None, current.failure
         return None, ProtocolError(
-            ErrorCode.NOT_FOUND, f"pid {pid} holds no rank {rank} of group={key[0]} name={key[1]}"
+            ErrorCode.NOT_FOUND, f"pid {pid} holds no rank {rank} of group={key[1]} name={key[2]}"
         )
 
     def _drop_hold(self, bset: BufferSet, slot: Slot, why: str) -> bool:
@@ -568,9 +601,21 @@ class Registry:
 
     def _retire(self, bset: BufferSet) -> None:
         """A new set takes the key; the old one lives until its last holder lets go."""
-        del self.sets[(bset.group, bset.name)]
+        del self.sets[bset.key]
         if bset.holders():
             self.retired[bset.id] = bset
+        else:
+            self._unindex(bset)
+
+    def _unindex(self, bset: BufferSet) -> None:
+        named = self._by_group.get((bset.owner_uid, bset.group), {})
+        named.pop(bset.id, None)
+        if not named:
+            self._by_group.pop((bset.owner_uid, bset.group), None)
+
+    def _group_sets(self, uid: int | None, group: str) -> list[BufferSet]:
+        """Every set, current or retired, of one group of one uid's namespace."""
+        return list(self._by_group.get((uid, group), {}).values())
 
     def _forget(self, bset: BufferSet) -> Outbox:
         """Drop a set nobody holds, and its timers."""
@@ -578,20 +623,25 @@ class Registry:
             return []
         self._cancel(*bset.timers)
         bset.timers.clear()
-        if self.sets.get((bset.group, bset.name)) is bset:
-            del self.sets[(bset.group, bset.name)]
+        if self.sets.get(bset.key) is bset:
+            del self.sets[bset.key]
         self.retired.pop(bset.id, None)
+        self._unindex(bset)
         return []
 
     # ------------------------------------------------------------ tp_agree
 
     def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
         group, rank, npes = req["group"], req["rank"], req["npes"]
+        key = (uid, group)
         if rank >= npes:
             return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
-        agreement = self.agreements.get(group)
-        if agreement is not None and not _same_owner(agreement.owner_uid, uid):
-            return [_foreign(caller, uid, agreement.owner_uid, f"group={group}")]
+        holders = self._rank_holders(uid, group, rank)
+        if holders and pid not in holders:
+            return [_fail(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} is held by pid "
+                          f"{', '.join(map(str, sorted(holders)))} (a buffer set of it), not pid {pid}: "
+                          "only the process holding a rank may vote for it")]
+        agreement = self.agreements.get(key)
         out: Outbox = []
         if agreement is not None and agreement.dead.get(rank, pid) != pid:
             # a new process takes a dead rank's place: the old rounds are over
@@ -599,16 +649,23 @@ class Registry:
             for rnd in agreement.rounds.values():
                 if rnd.result is None:
                     out += rnd.finish(False, reason)
+            self._drop_agreement(agreement)
             agreement = None
         if agreement is None:
-            agreement = self.agreements[group] = Agreement(group, npes, uid)
+            kept = self.agreements_by_uid.get(uid, 0)
+            if kept >= MAX_AGREEMENTS_PER_UID:
+                return out + [_fail(caller, ErrorCode.LIMIT_EXCEEDED, f"uid {uid} already keeps {kept} agreements "
+                                    f"(at most {MAX_AGREEMENTS_PER_UID}); group={group} must wait until the "
+                                    "processes of another one exit")]
+            agreement = self.agreements[key] = Agreement(group, npes, uid)
+            self._count(self.agreements_by_uid, uid, 1)
             # ranks of this group that died holding a buffer set are members too
-            for bset in self.all_sets():
+            for bset in self._group_sets(uid, group):
                 for slot in bset.slots.values():
-                    if bset.group == group and slot.dead and slot.rank != rank and slot.rank < npes:
+                    if slot.dead and slot.rank != rank and slot.rank < npes:
                         agreement.pids[slot.rank] = agreement.dead[slot.rank] = slot.pid
         if agreement.npes != npes:
-            return [
+            return out + [
                 _fail(
                     caller,
                     ErrorCode.MISMATCH,
@@ -617,15 +674,21 @@ class Registry:
             ]
         owner = agreement.pids.setdefault(rank, pid)
         if owner != pid:
-            return [
+            return out + [
                 _fail(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} votes from pid {owner}, not {pid}")
             ]
-        k = agreement.calls[rank] = agreement.calls.get(rank, 0) + 1
+        k = agreement.calls.get(rank, 0) + 1
         rnd = agreement.rounds.get(k)
         if rnd is None:
+            refusal = self._round_limits(agreement, rank, k)
+            if refusal:
+                return out + [_fail(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             rnd = agreement.rounds[k] = Round(npes)
             timeout = req["timeout"] or self.agreement_timeout
-            self._round_timer(rnd, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout))
+            rnd.on_settle = self._open_round(
+                uid, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout)
+            )
+        agreement.calls[rank] = k
         settled = rnd.result is not None
         if settled:
             out.append(rnd.answer(caller))
@@ -638,6 +701,45 @@ class Registry:
             log.warning("group=%s agreement round %d: False (%s)", group, k, rnd.result[1])
         self._collect(agreement)
         return out
+
+    def _open_round(self, uid: int | None, deadline: float, check: Callable[[float], Outbox]) -> Callable[[], None]:
+        """Count one more round open for ``uid`` and time it; what to call once it settles."""
+        timer = self._at(deadline, check)
+        self._count(self.open_rounds_by_uid, uid, 1)
+
+        def settled() -> None:
+            self._cancel(timer)
+            self._count(self.open_rounds_by_uid, uid, -1)
+
+        return settled
+
+    def _round_limits(self, agreement: Agreement, rank: int, k: int) -> str | None:
+        """Why ``rank`` may not open round ``k``: too far ahead, or its uid keeps too many rounds open."""
+        behind, slowest = agreement.slowest()
+        if k - behind > MAX_RUN_AHEAD:
+            return (f"rank {rank} of group={agreement.group} would open round {k} while rank {slowest} "
+                    f"(pid {agreement.pids.get(slowest, 'not seen yet')}) has entered {behind}: a rank may run at "
+                    f"most {MAX_RUN_AHEAD} rounds ahead; wait for each round's verdict before voting again")
+        open_rounds = self.open_rounds_by_uid.get(agreement.owner_uid, 0)
+        if open_rounds >= MAX_PENDING_ROUNDS_PER_UID:
+            return (f"uid {agreement.owner_uid} already keeps {open_rounds} agreement rounds unsettled "
+                    f"(at most {MAX_PENDING_ROUNDS_PER_UID}); wait for them to settle")
+        return None
+
+    def _drop_agreement(self, agreement: Agreement) -> None:
+        if self.agreements.get(agreement.key) is agreement:
+            del self.agreements[agreement.key]
+            self._count(self.agreements_by_uid, agreement.owner_uid, -1)
+            for rnd in agreement.rounds.values():
+                rnd.abandon()
+
+    def _rank_holders(self, uid: int | None, group: str, rank: int) -> set[int]:
+        """Pids holding ``rank`` in a live buffer set of the group: the only ones who may vote for it."""
+        return {
+            slot.pid
+            for bset in self._group_sets(uid, group)
+            if (slot := bset.slots.get(rank)) is not None and slot.held and not slot.dead
+        }
 
     @staticmethod
     def _deaths(agreement: Agreement, ranks: list[int]) -> str:
@@ -658,21 +760,25 @@ class Registry:
 
     def _collect(self, agreement: Agreement) -> None:
         agreement.collect()
-        if agreement.finished() and self.agreements.get(agreement.group) is agreement:
-            del self.agreements[agreement.group]
+        if agreement.finished():
+            self._drop_agreement(agreement)
 
     # ------------------------------------------------------------ eviction
 
-    def evict(self, group: str, name: str | None) -> tuple[Outbox, list[dict[str, Any]]]:
+    def evict(self, group: str, name: str | None, uid: int | None = None) -> tuple[Outbox, list[dict[str, Any]]]:
         """Free a group's buffer sets by force, whoever holds them; fail its waits.
 
-        The holders' kernels may still touch the memory: an operator's last
-        resort for a group stuck behind a process that will not let go.
+        Every uid's group of that key is evicted, unless ``uid`` narrows it to
+        one namespace. The holders' kernels may still touch the memory: an
+        operator's last resort for a group stuck behind a process that will
+        not let go.
         """
         out: Outbox = []
         evicted = []
         for bset in self.all_sets():
             if bset.group != group or (name is not None and bset.name != name):
+                continue
+            if uid is not None and bset.owner_uid != uid:
                 continue
             holders = {str(s.rank): s.pid for s in bset.holders()}
             message = f"{bset.label} was evicted by an administrator"
@@ -681,12 +787,14 @@ class Registry:
                 slot.held = False
             self._free_set(bset)
             self._forget(bset)
-            self.sets.pop((bset.group, bset.name), None)
-            log.warning("%s evicted; pids %s held it and may still touch the freed memory",
-                        bset.label, sorted(holders.values()))
-            evicted.append({"group": bset.group, "name": bset.name, "holders": holders})
-        agreement = self.agreements.pop(group, None)
-        if agreement is not None:
+            self.sets.pop(bset.key, None)
+            log.warning("%s of uid %s evicted; pids %s held it and may still touch the freed memory",
+                        bset.label, bset.owner_uid, sorted(holders.values()))
+            evicted.append({"group": bset.group, "name": bset.name, "uid": bset.owner_uid, "holders": holders})
+        for agreement in list(self.agreements.values()):
+            if agreement.group != group or (uid is not None and agreement.owner_uid != uid):
+                continue
+            self._drop_agreement(agreement)
             for rnd in agreement.rounds.values():
                 if rnd.result is None:
                     out += rnd.finish(False, f"group={group} was evicted by an administrator")
@@ -697,14 +805,14 @@ class Registry:
     def process_died(self, pid: int, now: float) -> Outbox:
         """A client process is gone: fail what waits on it, drop what it held."""
         out: Outbox = []
-        ranks: set[tuple[str, int]] = set()  # (group, rank) the process held
+        ranks: set[tuple[tuple[int | None, str], int]] = set()  # ((uid, group), rank) the process held
         for bset in self.all_sets():
             for slot in list(bset.slots.values()):
                 if slot.pid != pid or not slot.held:
                     continue
                 if not ranks:
                     self.rank_deaths += 1
-                ranks.add((bset.group, slot.rank))
+                ranks.add(((bset.owner_uid, bset.group), slot.rank))
                 slot.dead = True
                 message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
                 if bset.state is State.JOINING:
@@ -716,9 +824,9 @@ class Registry:
                     out += self._fail_set(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
                 self._drop_hold(bset, slot, "died")
         for agreement in list(self.agreements.values()):
-            ranks |= {(agreement.group, r) for r, owner in agreement.pids.items() if owner == pid}
-        for group, rank in ranks:
-            agreement = self.agreements.get(group)
+            ranks |= {(agreement.key, r) for r, owner in agreement.pids.items() if owner == pid}
+        for key, rank in ranks:
+            agreement = self.agreements.get(key)
             if agreement is not None and agreement.pids.get(rank, pid) == pid:
                 out += self._rank_died(agreement, rank, pid)
         return out
@@ -775,7 +883,10 @@ class Registry:
                 out += [Send(c, error=error) for c in rnd.waiters.values()]
         self.sets.clear()
         self.retired.clear()
+        self._by_group.clear()
         self.agreements.clear()
+        self.agreements_by_uid.clear()
+        self.open_rounds_by_uid.clear()
         self._timers.clear()
         self._checks.clear()
         return out
@@ -785,11 +896,16 @@ class Registry:
     def all_sets(self) -> list[BufferSet]:
         return list(self.sets.values()) + list(self.retired.values())
 
-    def listing(self, now: float) -> list[dict[str, Any]]:
-        """What `peerd ls` shows: one entry per buffer set."""
+    def listing(self, now: float, uid: int | None) -> list[dict[str, Any]]:
+        """What `peerd ls` shows ``uid``: one entry per buffer set of its namespace
+        (of every namespace for an administrator), sorted by group, name and uid."""
+        every = uid in self.admins
+        shown = [b for b in self.all_sets() if every or b.owner_uid == uid]
+        shown.sort(key=lambda b: (b.group, b.name, -1 if b.owner_uid is None else b.owner_uid, b.id))
         return [
             {
                 "group": b.group,
+                "uid": b.owner_uid,
                 "name": b.name,
                 "state": b.state.value,
                 "npes": b.npes,
@@ -801,5 +917,5 @@ class Registry:
                 "age_s": round(now - b.created, 3),
                 "failure": b.failure.message if b.failure else None,
             }
-            for b in self.all_sets()
+            for b in shown
         ]

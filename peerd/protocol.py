@@ -90,6 +90,9 @@ class Field:
 def _key(value: str) -> str | None:
     if not value or len(value) > MAX_KEY_CHARS:
         return f"must be 1 to {MAX_KEY_CHARS} characters"
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        return f"must be printable: it holds the control character {bad!r} (use letters, digits and punctuation)"
     return None
 
 
@@ -158,10 +161,12 @@ OPS: dict[str, dict[str, Field]] = {
         "ok": Field(bool),
         "timeout": _TIMEOUT,
     },
-    # Free a stuck group by force (root or the daemon's uid); name None: every set of it.
+    # Free a stuck group by force (root or the daemon's uid); name None: every set of it;
+    # uid None: that group in every uid's namespace.
     "evict": {
         "group": _GROUP,
         "name": Field((str, type(None)), lambda v: None if v is None else _key(v), None),
+        "uid": Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be a uid (>= 0)", None),
     },
     # First call of every connection: proves the daemon answers, gives its defaults.
     "hello": {},

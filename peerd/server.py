@@ -64,7 +64,8 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self.registry = Registry(
-            self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits
+            self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
+            admins=frozenset({0, os.geteuid()}),
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -81,14 +82,14 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
-            "join": self._stateful(self.registry.join, owned=True),
+            "join": self._stateful(self.registry.join),
             "commit": self._stateful(self.registry.commit),
             "release": self._stateful(self.registry.release),
-            "agree": self._stateful(self.registry.agree, owned=True),
+            "agree": self._stateful(self.registry.agree),
             "evict": self._evict,
             "hello": self._immediate(self._hello),
             "status": self._immediate(self._status),
-            "ls": self._immediate(lambda: {"groups": self.registry.listing(time.monotonic())}),
+            "ls": lambda caller, who, body: [Send(caller, {"groups": self.registry.listing(time.monotonic(), who.uid)})],
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -354,7 +355,7 @@ class Daemon:
         who = Credentials(uid, gid, pid)
         if not self.allowlist.allows(uid, gid, pid):
             raise self._forbidden(who)
-        bset = self.registry.opened_set(validate_body("release", request), pid)  # a slot, named as release names it
+        bset = self.registry.opened_set(validate_body("release", request), pid, uid)  # a slot, named as release names it
         allocations = [bset.slots[r].allocation for r in range(bset.npes)]
         fds = [self.backend.fd(a) for a in allocations]
         if None in fds:
@@ -362,29 +363,28 @@ class Daemon:
                                 "its handles open the memory")
         return [a.handle for a in allocations], fds
 
-    def _stateful(self, method: Callable[..., Outbox], owned: bool = False) -> Callable[[Any, Credentials, dict], Outbox]:
+    def _stateful(self, method: Callable[..., Outbox]) -> Callable[[Any, Credentials, dict], Outbox]:
         """A registry op: watch the caller's pid first, so its death is seen.
 
-        ``owned`` ops create groups, which belong to the caller's uid.
+        The caller's uid picks its key namespace: it reaches only its own groups.
         """
 
         def handle(caller: Any, who: Credentials, body: dict) -> Outbox:
             fd = self._watcher.watch(who.pid)
             if fd is not None:
                 self._poller.register(fd, zmq.POLLIN)
-            if owned:
-                return method(caller, who.pid, body, time.monotonic(), uid=who.uid)
-            return method(caller, who.pid, body, time.monotonic())
+            return method(caller, who.pid, body, time.monotonic(), uid=who.uid)
 
         return handle
 
     def _evict(self, caller: Any, who: Credentials, body: dict) -> Outbox:
-        """Free a stuck group by force: root or the daemon's own uid only."""
+        """Free a stuck group by force, in every uid's namespace unless one is named: root or the daemon's uid only."""
         if who.uid not in (0, os.geteuid()):
             return [Send(caller, error=ProtocolError(
                 ErrorCode.FORBIDDEN, f"only root or uid {os.geteuid()} may evict; uid {who.uid} may not"))]
-        log.warning("pid %d (uid %d) evicts group=%s name=%s", who.pid, who.uid, body["group"], body["name"] or "*")
-        out, evicted = self.registry.evict(body["group"], body["name"])
+        log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
+                    body["name"] or "*", "*" if body["uid"] is None else body["uid"])
+        out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
         return out + [Send(caller, {"evicted": evicted})]
 
     @staticmethod

@@ -181,10 +181,11 @@ def sealed(args) -> dict:
 
 
 def call(args) -> dict:
-    """One raw request through the client's connection: --op and --body (JSON)."""
+    """One raw request through the client's connection: --op and --body (JSON), waiting --timeout if given."""
     from peerd_client.connection import connection
 
-    return {"reply": connection().call(args.op, json.loads(args.body))}
+    deadline = {"timeout": args.timeout} if args.timeout else {}
+    return {"reply": connection().call(args.op, json.loads(args.body), **deadline)}
 
 
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
@@ -247,9 +248,10 @@ def restart(args) -> dict:
 
 
 def forked(args) -> dict:
-    """A forked child must not use its parent's buffer, and may open its own connection."""
+    """A forked child must not use its parent's buffer nor vote as its rank, and may open its own connection."""
 
-    from peerd_client import ForkedProcessError, PeerBuffer, tp_agree
+    from peerd_client import ForkedProcessError, MonoUnsupported, PeerBuffer, tp_agree
+    from peerd_client.connection import connection
 
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     read, write = os.pipe()
@@ -264,6 +266,15 @@ def forked(args) -> dict:
             except ForkedProcessError as err:
                 said["verdict"] = str(err)
             said["own"] = tp_agree(True, f"{args.group}-child{args.rank}", 0, 1)  # its own connection
+            try:
+                said["agree"] = tp_agree(False, args.group)  # the membership it inherited is not its own
+            except ForkedProcessError as err:
+                said["agree"] = str(err)
+            try:  # past the client's guard, the daemon refuses it too
+                body = {"group": args.group, "rank": args.rank, "npes": args.npes, "ok": False, "timeout": 30}
+                said["vote"] = connection().call("agree", body, timeout=40)
+            except MonoUnsupported as err:
+                said["vote"] = err.code
             del buf  # collection in the child must not release the parent's rank
         except Exception as err:
             said["error"] = repr(err)
@@ -277,6 +288,90 @@ def forked(args) -> dict:
     pointers = len(buf.pointers)
     buf.close()
     return {"child": child_says, "child_status": status, "agreed": agreed, "pointers": pointers}
+
+
+def patient(args) -> dict:
+    """Connect and print READY; join after a line on stdin, print the OUTCOME, then close after another line.
+
+    Meanwhile the test reloads or stops the daemon, or stops this rank.
+    """
+    from peerd_client import MonoUnsupported, PeerBuffer
+    from peerd_client.connection import connection
+
+    connection()
+    print("READY", flush=True)
+    sys.stdin.readline()
+    buf = None
+    try:
+        buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)
+        outcome = {"joined": True}
+    except MonoUnsupported as err:
+        outcome = {"type": type(err).__name__, "code": err.code, "message": str(err)}
+    print("OUTCOME " + json.dumps(outcome), flush=True)
+    sys.stdin.readline()
+    if buf is not None:
+        buf.close()
+    return outcome
+
+
+def closer(args) -> dict:
+    """Hold a buffer set and print READY; close it after a line on stdin, print CLOSED, exit after another."""
+    from peerd_client import PeerBuffer
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    buf.close()  # never raises, even with the daemon stopped
+    print("CLOSED", flush=True)
+    sys.stdin.readline()
+    return {"closed": buf.local == 0}
+
+
+def vote(args) -> dict:
+    """Join through the raw protocol, vote --votes with the reason in --body, then hold until a line on stdin."""
+    from peerd_client import MonoUnsupported
+    from peerd_client.connection import connection
+
+    slot = {"group": args.group, "name": args.name, "rank": args.rank}
+    connection().call("join", {**slot, "npes": args.npes, "nbytes": args.nbytes, "device": "host"}, timeout=60)
+    try:
+        verdict = connection().call("commit", {**slot, "ok": args.votes == "1", **json.loads(args.body)}, timeout=60)
+    except MonoUnsupported as err:
+        verdict = {"code": err.code}
+    print("VOTED", flush=True)
+    sys.stdin.readline()
+    return {"verdict": verdict}
+
+
+def pipeline(args) -> dict:
+    """Send --votes agree requests to one group, then one to each of --hold more groups, without reading;
+    count the refusals that come back, print them, and hold the rounds until a line on stdin."""
+    import collections
+
+    import msgpack
+    import zmq
+
+    from peerd.protocol import decode_reply
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(f"ipc://{os.environ['PEERD_SOCKET']}")
+    body = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
+    groups = [args.group] * int(args.votes) + [f"{args.group}-{g}" for g in range(int(args.hold))]
+    for i, group in enumerate(groups):
+        sock.send(msgpack.packb({"v": 1, "id": i + 1, "op": "agree", "body": {**body, "group": group}}))
+    codes, examples = collections.Counter(), {}
+    while sock.poll(3000):
+        reply = decode_reply(sock.recv())
+        code = reply.error.code.value if reply.error else "ok"
+        codes[code] += 1
+        if reply.error:
+            examples.setdefault(reply.error.message.split(" ", 1)[0] + " " + code, reply.error.message)
+    print(json.dumps({"codes": dict(codes), "examples": examples}), flush=True)
+    sys.stdin.readline()
+    return {}
 
 
 def _where() -> dict:
@@ -356,6 +451,10 @@ SCENARIOS = {
     "job": job,
     "held": held,
     "signals": signals,
+    "patient": patient,
+    "closer": closer,
+    "vote": vote,
+    "pipeline": pipeline,
 }
 
 

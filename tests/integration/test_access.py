@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import Daemon, finish, run_ranks, start_rank, unix_users, wait_until
 
-USER, OTHER_USER, SOCKET_GROUP = "peerd-probe", "peerd-probe2", "peerd-sock"
+USER, OTHER_USER, SOCKET_GROUP = "pdc-probe", "pdc-probe2", "pdc-sock"
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a second user (CI runs as root)")
@@ -117,16 +117,51 @@ def test_another_process_cannot_take_fetch_vote_or_release_a_rank(socket_dir, pr
         waiting = [start_rank(d, "join", 0, 2, "--group", "pending", "--hold", "60"),
                    start_rank(d, "agree", 0, 2, "--group", "voting", "--votes", "1")]
         wait_until(lambda: "group=pending name=default rank=0" in d.logs(), 90, "rank 0 to join")
-        intruder = call(d, "join", {**join, "group": "pending", "rank": 1}, *as_user(probe_user), rank=1)
-        assert intruder["code"] == "FORBIDDEN" and "belongs to uid 0" in intruder["message"], intruder
+        # another user's join and vote land in groups of her own namespace: root's wait on
+        intruder = call(d, "join", {**join, "group": "pending", "rank": 1, "timeout": 2}, *as_user(probe_user), rank=1)
+        assert intruder["code"] == "TIMEOUT" and "rank(s) [0] of 2 never joined" in intruder["message"], intruder
+        pending = [e for e in json.loads(d.cli("ls", "--json").stdout) if e["group"] == "pending"]
+        assert sorted((e["uid"], e["state"], e["joined"], e["held"]) for e in pending) == [
+            (0, "joining", [0], [0]), (probe_user[0], "failed", [1], [])], "root's set is untouched"
         wait_until(lambda: call(d, "agree", {"group": "voting", "rank": 0, "npes": 2, "ok": True})["code"]
                    == "NOT_MEMBER", 30, "rank 0's vote to register")
-        stolen = call(d, "agree", {"group": "voting", "rank": 1, "npes": 2, "ok": False}, *as_user(probe_user))
-        assert stolen["code"] == "FORBIDDEN" and "belongs to uid 0" in stolen["message"], stolen
+        stolen = call(d, "agree", {"group": "voting", "rank": 1, "npes": 2, "ok": False, "timeout": 2},
+                      *as_user(probe_user))
+        assert stolen["reply"]["ok"] is False and "timed out" in stolen["reply"]["reason"], stolen
+        voter = start_rank(d, "agree", 1, 2, "--group", "voting", "--votes", "1")
+        assert finish(voter)["results"] == [True] and finish(waiting[1])["results"] == [True], \
+            "root's round counted root's votes only"
         for p in holders + waiting:
             p.kill()
     finally:
         assert d.stop() == 0
+
+
+def test_two_users_use_the_same_key_at_once_each_in_a_namespace_of_their_own(socket_dir, probe_user):
+    uid, gid, sock_gid = probe_user
+    other = pwd.getpwnam(OTHER_USER)
+    users = {uid: f"{uid}:{gid}:{sock_gid}", other.pw_uid: f"{other.pw_uid}:{other.pw_gid}:{sock_gid}"}
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
+    try:
+        holders = {u: [start_rank(d, "join", r, 2, "--group", "same-key", "--hold", "-1", "--as-user", spec,
+                                  stdin=subprocess.PIPE) for r in (0, 1)] for u, spec in users.items()}
+        wait_until(lambda: d.logs().count("group=same-key name=default live") == 2, 90, "both sets to go live")
+        everyone = json.loads(d.cli("ls", "--json").stdout)
+        assert sorted((e["uid"], e["state"], e["held"]) for e in everyone) == [
+            (uid, "live", [0, 1]), (other.pw_uid, "live", [0, 1])]
+        own = call(d, "ls", {}, "--as-user", users[uid])["reply"]["groups"]
+        assert [e["uid"] for e in own] == [uid], "a user sees her own sets only"
+        result = d.cli("evict", "same-key", "--uid", str(uid), "--yes")
+        assert result.returncode == 0 and f"of uid {uid}" in result.stdout, result
+        (left,) = json.loads(d.cli("ls", "--json").stdout)
+        assert left["uid"] == other.pw_uid and left["held"] == [0, 1], "the other user's set stays"
+        for p in holders[uid] + holders[other.pw_uid]:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert finish(p)["ok"]
+        assert json.loads(d.cli("ls", "--json").stdout) == [] and d.segments() == []
+    finally:
+        assert d.stop() == 0, d.logs()
 
 
 def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):

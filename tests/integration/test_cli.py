@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Daemon, finish, memfd_holders, start_rank, wait_until
+from tests.conftest import Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
 
 
 def test_status_answers_with_a_summary_and_json(daemon):
@@ -78,3 +78,27 @@ def test_python_dash_m_peerd_is_the_same_cli():
     assert result.returncode == 0
     for command in ("serve", "status", "ls"):
         assert command in result.stdout
+
+
+def test_control_characters_are_refused_in_keys_and_escaped_in_logs_and_ls(daemon):
+    for group in ("two\nlines", "clear\x1b[2J"):
+        body = {"group": group, "name": "n", "rank": 0, "npes": 1, "nbytes": 64, "device": "host"}
+        (refused,) = run_ranks(daemon, "call", 1, "--op", "join", "--body", json.dumps(body))
+        assert refused["code"] == "BAD_REQUEST" and "control character" in refused["message"], refused
+    # a commit reason is free text: it reaches the log and `peerd ls`, escaped
+    forged = "x\n2026-01-01 00:00:00,000 INFO peerd.server: forged\x1b[2J\x1b]0;title\x07"
+    voters = [start_rank(daemon, "vote", r, 2, "--group", "inject", "--votes", v, "--body",
+                         json.dumps({"reason": forged}), stdin=subprocess.PIPE) for r, v in ((0, "0"), (1, "1"))]
+    for p in voters:
+        assert p.stdout.readline().strip() == "VOTED"
+    log = daemon.logs()
+    assert "failed its agreement: rank 0: x\\n2026-01-01 00:00:00,000 INFO peerd.server: forged\\x1b[2J" in log
+    assert not [line for line in log.splitlines() if line.startswith("2026-01-01")], "no forged log line"
+    assert "\x1b" not in log and "\x07" not in log
+    shown = daemon.cli("ls")
+    assert shown.returncode == 0 and "forged\\x1b[2J\\x1b]0;title\\x07" in shown.stdout, shown.stdout
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout and len(shown.stdout.splitlines()) == 2
+    for p in voters:
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        assert finish(p)["ok"]

@@ -8,12 +8,14 @@ import random
 import signal
 import socket
 import subprocess
+import time
+from pathlib import Path
 
 import msgpack
 import zmq
 
 from peerd import protocol
-from tests.conftest import finish, memfd_holders, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
 
 
 def joined(daemon, group, rank):
@@ -80,7 +82,9 @@ def test_a_forked_child_gets_a_clear_error_and_leaves_the_parent_alone(daemon):
         assert r["ok"], r
         assert "is a forked child and shares none of its mappings" in r["child"]["verdict"]
         assert r["child"]["own"] is True and r["child_status"] == 0
-        assert r["agreed"] is True and r["pointers"] == 2
+        assert "is a forked child and holds none of its ranks" in r["child"]["agree"], r
+        assert r["child"]["vote"] == "NOT_MEMBER", "only the process holding a rank may vote for it"
+        assert r["agreed"] is True and r["pointers"] == 2, "the parents' rounds are unaffected"
     assert daemon.segments() == []
 
 
@@ -146,3 +150,141 @@ def test_a_call_waiting_on_a_frozen_daemon_fails_within_a_heartbeat(daemon):
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     assert result["type"] == "DaemonUnavailable" and "went away" in result["message"], result
+
+
+def _line(proc, expected: str) -> str:
+    line = proc.stdout.readline()
+    assert line.startswith(expected), f"expected {expected}, got {line!r}: {proc.stderr.read() if proc.poll() else ''}"
+    return line
+
+
+def _say(proc, line: str = "go") -> None:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def _held(daemon) -> list:
+    return [(g["group"], g["held"]) for g in json.loads(daemon.cli("ls", "--json").stdout) if g["held"]]
+
+
+def test_a_rank_resumed_after_its_deadline_sees_the_verdict_and_holds_nothing(daemon):
+    """SIGSTOP a rank inside the rendezvous, SIGCONT it after its client deadline: its set ends up released."""
+    for trial in range(3):
+        group = f"stopped{trial}"
+        ranks = [start_rank(daemon, "patient", r, 2, "--group", group, "--timeout", "2", stdin=subprocess.PIPE)
+                 for r in (0, 1)]
+        for p in ranks:
+            _line(p, "READY")
+        _say(ranks[1])
+        wait_until(joined(daemon, group, 1), 60, "rank 1 to join")
+        ranks[1].send_signal(signal.SIGSTOP)  # inside the rendezvous: its handles arrive while it is stopped
+        _say(ranks[0])
+        assert "code" in json.loads(_line(ranks[0], "OUTCOME")[8:]), "the commit vote times out without rank 1"
+        wait_until(lambda: f"group={group} name=default failed" in daemon.logs(), 60, "the set to fail")
+        time.sleep(6)  # past rank 1's client deadline: 2 s timeout + 5 s grace since it joined, 2 s or more ago
+        ranks[1].send_signal(signal.SIGCONT)
+        outcome = json.loads(_line(ranks[1], "OUTCOME")[8:])
+        verdict = "agreement of group=%s name=default timed out after 2s waiting for rank 1" % group
+        assert verdict in outcome["message"] or "did not answer" in outcome["message"], outcome
+        wait_until(lambda: _held(daemon) == [], 30, "the failed set to be released")
+        assert all(p.poll() is None for p in ranks), "released while the ranks still live"
+        for p in ranks:
+            _say(p)
+            finish(p)
+    assert daemon.segments() == []
+
+
+def test_a_call_past_its_deadline_still_reads_the_answer_that_came(daemon):
+    """As for a process stopped through its whole deadline: the answer is there, so it is the result."""
+    (result,) = run_ranks(daemon, "call", 1, "--op", "status", "--timeout", "0.000001")
+    assert result["ok"] and result["reply"]["pid"] == daemon.proc.pid, result
+
+
+def test_a_rank_that_gives_up_on_its_join_releases_its_slot_once_the_daemon_answers(daemon):
+    rank = start_rank(daemon, "patient", 1, 2, "--group", "gave-up", "--timeout", "120", stdin=subprocess.PIPE)
+    _line(rank, "READY")
+    _say(rank)
+    wait_until(joined(daemon, "gave-up", 1), 60, "rank 1 to join")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        outcome = json.loads(_line(rank, "OUTCOME")[8:])  # the heartbeat: it gives up, far inside its 120 s
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert outcome["type"] == "DaemonUnavailable", outcome
+    wait_until(lambda: _held(daemon) == [], 30, "its slot to be released")
+    assert rank.poll() is None, "released by the rank that gave up, not by its exit"
+    _say(rank)
+    finish(rank)
+
+
+def test_a_reload_that_raises_the_default_timeout_does_not_make_a_worker_give_up_first(socket_dir):
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text("rendezvous_timeout = 2\n")
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log", args=("--config", str(config)))
+    d.start()
+    try:
+        rank = start_rank(d, "patient", 0, 2, "--group", "reloaded", stdin=subprocess.PIPE)
+        _line(rank, "READY")  # connected: it knows the 2 s default
+        config.write_text("rendezvous_timeout = 60\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloaded" in d.logs(), 30, "the reload")
+        _say(rank)
+        outcome = json.loads(_line(rank, "OUTCOME")[8:])
+        assert outcome["code"] == "TIMEOUT" and "timed out after" in outcome["message"], \
+            f"the daemon's verdict, on the deadline the worker sent: {outcome}"
+        _say(rank)
+        finish(rank)
+        assert _held(d) == []
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
+def test_ranks_that_close_while_the_daemon_is_stopped_are_released_once_it_resumes(daemon):
+    ranks = [start_rank(daemon, "closer", r, 2, "--group", "stalled", stdin=subprocess.PIPE) for r in (0, 1)]
+    for p in ranks:
+        _line(p, "READY")
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(4.5)  # past the client's heartbeat: its connection is lost
+        for p in ranks:
+            _say(p)
+        for p in ranks:
+            _line(p, "CLOSED")  # close() returned at once, the daemon still stopped
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: _held(daemon) == [] and daemon.segments() == [], 30, "the set to be released")
+    assert all(p.poll() is None for p in ranks), "released by the ranks' close(), not by their exit"
+    assert "stalled" not in daemon.cli("ls").stdout
+    for p in ranks:
+        _say(p)
+        assert finish(p)["closed"]
+
+
+def test_pipelined_agreement_votes_are_refused_past_the_caps_and_the_daemon_stays_small(socket_dir):
+    from peerd.groups import MAX_AGREEMENTS_PER_UID, MAX_RUN_AHEAD
+
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               args=("--agreement-timeout", "600")).start()
+    try:
+        votes, groups = 20000, 2 * MAX_AGREEMENTS_PER_UID
+        flooder = start_rank(d, "pipeline", 0, 2, "--group", "piped", "--votes", str(votes), "--hold", str(groups),
+                             stdin=subprocess.PIPE)
+        seen = json.loads(flooder.stdout.readline())
+        # every vote past the caps is refused at once (a reply or two may be dropped by a full queue)
+        assert list(seen["codes"]) == ["LIMIT_EXCEEDED"] and seen["codes"]["LIMIT_EXCEEDED"] > votes // 2, seen
+        examples = " ".join(seen["examples"].values())
+        assert f"a rank may run at most {MAX_RUN_AHEAD} rounds ahead" in examples
+        assert "agreement rounds unsettled" in examples
+        rss_kib = int(next(line.split()[1] for line in open(f"/proc/{d.proc.pid}/status") if line.startswith("VmRSS")))
+        assert rss_kib < 256 * 1024, f"daemon RSS {rss_kib} KiB under a pipelining flood"
+        status = json.loads(d.cli("status", "--json").stdout)
+        assert status["agreements_pending"] <= MAX_AGREEMENTS_PER_UID, "the daemon answers, with bounded state"
+        assert "would open round 9 " in examples, "one group holds no more than its run-ahead"
+        _say(flooder)
+        finish(flooder)
+        wait_until(lambda: json.loads(d.cli("status", "--json").stdout)["agreements_pending"] == 0, 30,
+                   "the flooder's rounds to be dropped when it exits")
+        after = run_ranks(d, "exchange", 2, "--group", "after-the-flood")
+        assert all(r["ok"] for r in after), after
+    finally:
+        assert d.stop() == 0, d.logs()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peerd.groups import Allocation, Limits, Registry, State
+from peerd import groups
+from peerd.groups import MAX_RUN_AHEAD, Allocation, Limits, Registry, State
 from peerd.protocol import ErrorCode, ProtocolError
 
 
@@ -71,7 +72,7 @@ def live_set(reg, npes=2):
         join(reg, r, npes)
     for r in range(npes):
         commit(reg, r)
-    return reg.sets[("g", "n")]
+    return reg.sets[(None, "g", "n")]
 
 
 def test_rendezvous_answers_every_rank_at_once_with_every_handle(reg, mem):
@@ -83,7 +84,7 @@ def test_rendezvous_answers_every_rank_at_once_with_every_handle(reg, mem):
     for body in replies.values():
         assert body["handles"] == [mem.live[h].handle for h in body["handles"]]
         assert len(body["handles"]) == 3 and body["sizes"] == [64] * 3 and body["backend"] == "fake"
-    assert reg.sets[("g", "n")].state is State.OPENING
+    assert reg.sets[(None, "g", "n")].state is State.OPENING
 
 
 def test_commit_all_true_goes_live_and_any_false_fails_every_rank(reg, mem):
@@ -96,7 +97,7 @@ def test_commit_all_true_goes_live_and_any_false_fails_every_rank(reg, mem):
     verdicts = bodies(out)
     assert verdicts[("v", 0)]["ok"] is False and verdicts[("v", 1)]["ok"] is False
     assert "rank 1: cudaIpcOpenMemHandle: invalid handle" in verdicts[("v", 0)]["reason"]
-    assert reg2.sets[("g", "n")].state is State.FAILED
+    assert reg2.sets[(None, "g", "n")].state is State.FAILED
 
 
 @pytest.mark.parametrize("field, value", [("npes", 4), ("nbytes", 128), ("flags", 1)])
@@ -231,7 +232,7 @@ def test_agreement_rounds_pair_the_kth_call_of_each_rank(reg):
     assert first == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}
     second = bodies(agree(reg, 1, True))
     assert second[("a", 1)]["ok"] is False
-    assert reg.agreements["a"].rounds == {} and reg.agreements["a"].calls == {}, "passed rounds are forgotten"
+    assert reg.agreements[(None, "a")].rounds == {} and reg.agreements[(None, "a")].calls == {}, "passed rounds are forgotten"
 
 
 def test_agreement_timeout_is_false_with_a_reason_and_late_ranks_hear_it(reg):
@@ -241,7 +242,7 @@ def test_agreement_timeout_is_false_with_a_reason_and_late_ranks_hear_it(reg):
     assert out[("a", 0)]["ok"] is False and "waiting for rank(s) [2]" in out[("a", 0)]["reason"]
     late = bodies(agree(reg, 2, npes=3, now=20.0))[("a", 2)]
     assert late["ok"] is False and "timed out" in late["reason"]
-    assert reg.agreements["a"].rounds == {}
+    assert reg.agreements[(None, "a")].rounds == {}
 
 
 def test_a_dead_rank_makes_pending_and_later_rounds_false(reg):
@@ -307,12 +308,120 @@ def test_limits_refuse_before_allocating(mem):
     assert "already holds 2 buffer sets" in third.message
 
 
-def test_a_group_belongs_to_the_uid_that_created_it(reg):
+def test_each_uid_has_its_own_key_namespace(reg):
+    """A user who takes another's key gets a group of her own: she can neither block nor touch the first."""
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
-    reg.join(("a", 0), 100, body, 0.0, uid=1000)
-    other = errors(reg.join(("b", 1), 200, {**body, "rank": 1}, 0.0, uid=1001))[("b", 1)]
-    assert other.code is ErrorCode.FORBIDDEN and "belongs to uid 1000; uid 1001 may not join it" in other.message
-    assert reg.join(("r", 1), 300, {**body, "rank": 1}, 0.0, uid=0) != [], "root may join anyone's group"
+    assert reg.join(("a", 0), 100, body, 0.0, uid=1000) == []
+    squatter = [reg.join(("b", r), 200 + r, {**body, "rank": r}, 0.0, uid=1001) for r in (0, 1)]
+    assert set(bodies(squatter[1])) == {("b", 0), ("b", 1)}, "her own set opens"
+    assert reg.join(("r", 1), 300, {**body, "rank": 1}, 0.0, uid=0) == [], "root joins root's own namespace"
+    first = reg.sets[(1000, "g", "n")]
+    assert first.state is State.JOINING and sorted(first.slots) == [0], "user 1000's set is untouched"
+    slot = {"group": "g", "name": "n", "rank": 0}
+    refused = errors(reg.release(("x", 0), 100, slot, 0.0, uid=1001))[("x", 0)]
+    assert refused.code is ErrorCode.NOT_MEMBER and first.slots[0].held
+    assert bodies(reg.join(("a", 1), 101, {**body, "rank": 1}, 0.0, uid=1000)), "user 1000's job completes"
+    vote = {"group": "v", "rank": 0, "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("p", 0), 100, vote, 0.0, uid=1000) == []
+    assert reg.agree(("q", 1), 201, {**vote, "rank": 1, "ok": False}, 0.0, uid=1001) == []
+    assert bodies(reg.agree(("p", 1), 101, {**vote, "rank": 1}, 0.0, uid=1000))[("p", 0)]["ok"] is True
+
+
+def test_listing_shows_admins_every_uid_and_others_their_own(mem):
+    reg = Registry(mem.allocate, mem.free, admins=frozenset({0, 42}))
+    body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    for uid, group in ((1001, "b"), (1000, "b"), (1000, "a")):
+        reg.join((uid, group), uid, {**body, "group": group}, 0.0, uid=uid)
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 0)] == [("a", 1000), ("b", 1000), ("b", 1001)]
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 42)] == [("a", 1000), ("b", 1000), ("b", 1001)]
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 1001)] == [("b", 1001)]
+    assert reg.listing(0.0, 7) == []
+
+
+def test_evict_reaches_every_namespace_unless_a_uid_narrows_it(reg, mem):
+    body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    for uid in (1000, 1001, 1002):
+        reg.join((uid, 0), uid, body, 0.0, uid=uid)
+    _, evicted = reg.evict("g", None, uid=1001)
+    assert [e["uid"] for e in evicted] == [1001] and set(reg.sets) == {(1000, "g", "n"), (1002, "g", "n")}
+    _, evicted = reg.evict("g", None)
+    assert sorted(e["uid"] for e in evicted) == [1000, 1002] and reg.sets == {} and mem.live == {}
+
+
+def test_a_rank_may_run_only_a_few_rounds_ahead(reg):
+    for _ in range(MAX_RUN_AHEAD):
+        assert agree(reg, 0) == []
+    refused = errors(agree(reg, 0))[("a", 0)]
+    assert refused.code is ErrorCode.LIMIT_EXCEEDED and f"at most {MAX_RUN_AHEAD} rounds ahead" in refused.message
+    assert len(reg.agreements[(None, "a")].rounds) == MAX_RUN_AHEAD, "the refused vote opened nothing"
+    assert bodies(agree(reg, 1))[("a", 0)]["ok"] is True, "round 1 settles as usual"
+    assert agree(reg, 0) == [], "one round closer: rank 0 may vote again"
+
+
+def test_one_uid_keeps_a_bounded_number_of_agreements_and_open_rounds(reg, monkeypatch):
+    monkeypatch.setattr(groups, "MAX_AGREEMENTS_PER_UID", 3)
+    monkeypatch.setattr(groups, "MAX_PENDING_ROUNDS_PER_UID", 4)
+    vote = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
+    for g in range(3):
+        assert reg.agree(("c", g), 100, {**vote, "group": f"g{g}"}, 0.0, uid=5) == []
+    over = errors(reg.agree(("c", 3), 100, {**vote, "group": "g3"}, 0.0, uid=5))[("c", 3)]
+    assert over.code is ErrorCode.LIMIT_EXCEEDED and "uid 5 already keeps 3 agreements" in over.message
+    assert reg.agree(("o", 0), 300, {**vote, "group": "g3"}, 0.0, uid=6) == [], "another uid is not affected"
+    assert reg.agree(("c", 4), 100, {**vote, "group": "g0"}, 0.0, uid=5) == []  # 4 rounds open now
+    full = errors(reg.agree(("c", 5), 100, {**vote, "group": "g1"}, 0.0, uid=5))[("c", 5)]
+    assert full.code is ErrorCode.LIMIT_EXCEEDED and "4 agreement rounds unsettled" in full.message
+    reg.expire(100.0)  # every round times out: nothing is open any more
+    assert reg.open_rounds_by_uid == {} and reg.agree(("c", 6), 100, {**vote, "group": "g1"}, 200.0, uid=5) == []
+    reg.process_died(100, 201.0)  # its only member died after voting: nobody waits on those rounds
+    assert reg.open_rounds_by_uid == {} and reg.agreements_by_uid == {6: 1}
+    assert reg.next_deadline() is None, "the abandoned round's timer went with it"
+    reg.process_died(300, 202.0)
+    assert reg.agreements == {} and reg.agreements_by_uid == {}
+
+
+class CountingDict(dict):
+    """A dict that counts the entries its walks visit."""
+
+    visited = 0
+
+    def __iter__(self):
+        CountingDict.visited += len(self)
+        return super().__iter__()
+
+    def items(self):
+        CountingDict.visited += len(self)
+        return super().items()
+
+    def values(self):
+        CountingDict.visited += len(self)
+        return super().values()
+
+
+def test_pipelined_votes_cost_linear_work(reg):
+    """Each vote walks a bounded number of rounds, however many a rank sends before its peer answers."""
+    agree(reg, 0)
+    agreement = reg.agreements[(None, "a")]
+    agreement.rounds = CountingDict(agreement.rounds)
+    CountingDict.visited = 0
+    votes = 3000
+    for _ in range(votes):
+        agree(reg, 0)
+        assert len(agreement.rounds) <= MAX_RUN_AHEAD
+    for _ in range(votes):
+        agree(reg, 1)
+        agree(reg, 0)
+    assert CountingDict.visited <= 10 * votes
+
+
+def test_only_the_process_holding_a_rank_votes_for_it(reg):
+    """A forked child voting with its parent's rank is refused; the group's rounds go on unharmed."""
+    live_set(reg)  # ranks 0 and 1 of group "g" held by pids 100 and 101
+    child = reg.agree(("child", 0), 555, {"group": "g", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
+    refused = errors(child)[("child", 0)]
+    assert refused.code is ErrorCode.NOT_MEMBER and "held by pid 100" in refused.message
+    assert reg.agreements == {}, "the refused vote left no trace"
+    assert agree(reg, 0, group="g") == []
+    assert bodies(agree(reg, 1, group="g")) == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}
 
 
 def test_evict_frees_held_memory_and_fails_waiters(reg, mem):
@@ -375,7 +484,7 @@ def test_a_failing_free_does_not_strand_the_rest(reg, mem):
 
 def test_listing_shows_state_ranks_and_pids(reg):
     join(reg, 0, now=1.0)
-    (entry,) = reg.listing(now=3.5)
+    (entry,) = reg.listing(3.5, None)
     assert entry["state"] == "joining" and entry["joined"] == [0] and entry["pids"] == {"0": 100}
     assert entry["age_s"] == 2.5 and entry["bytes_allocated"] == 64
 

@@ -101,3 +101,27 @@ def test_votes_must_be_booleans_not_ints():
 def test_a_reply_with_an_unknown_code_still_decodes():
     frame = raw({"v": 1, "id": 1, "ok": False, "error": {"code": "FROM_THE_FUTURE", "message": "m"}})
     assert protocol.decode_reply(frame).error.code is ErrorCode.INTERNAL
+
+
+@pytest.mark.parametrize("field", ["group", "name"])
+@pytest.mark.parametrize("bad", ["a\nb", "\x1b[2Jclear", "tab\there", "bell\x07", "del\x7f", "nel\x85", "line\u2028sep"])
+def test_keys_and_names_with_control_characters_are_refused(field, bad):
+    error = refused(protocol.encode_request(1, "join", {**JOIN, field: bad}))
+    assert error.code is ErrorCode.BAD_REQUEST and "control character" in error.message
+    assert error.request_id == 1
+
+
+def test_printable_keys_pass_even_beyond_ascii():
+    request = protocol.decode_request(protocol.encode_request(1, "join", {**JOIN, "group": "tp-0 über/ζ"}))
+    assert request.body["group"] == "tp-0 über/ζ"
+
+
+def test_escape_makes_one_printable_line_of_any_text():
+    import logging
+
+    from peerd.escape import EscapingFormatter, escape
+
+    assert escape("plain text, ü") == "plain text, ü"
+    assert escape("a\nb\x1b[2J\u2028") == "a\\nb\\x1b[2J\\u2028"
+    record = logging.LogRecord("peerd", logging.INFO, __file__, 1, "reason: %s", ("x\n2026 INFO forged",), None)
+    assert EscapingFormatter("%(levelname)s %(message)s").format(record) == "INFO reason: x\\n2026 INFO forged"
