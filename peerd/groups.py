@@ -542,7 +542,7 @@ class Registry:
             out = self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
 
-    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None) -> BufferSet:
+    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None = None) -> BufferSet:
         """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
 
         Raises ProtocolError when there is none (NOT_MEMBER, NOT_FOUND, the set's failure).
