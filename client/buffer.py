@@ -11,7 +11,7 @@ from peerd.paths import fd_socket_path
 from peerd.protocol import ProtocolError
 
 from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, undelivered
-from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
+from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import mappings
 from .views import backend_for, byte_view, default_device, require_torch
@@ -79,9 +79,8 @@ class PeerBuffer:
         member = resolve(group, rank, npes, wait)
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
-        self.device = torch.device(device) if device is not None else default_device()
-        self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
         where = f"group={member.key} name={name} rank {member.rank}"
+        device_identity = self._take_part(conn, member, device, where)
 
         try:
             joined = conn.call(
@@ -90,7 +89,7 @@ class PeerBuffer:
                     **self._slot(member),
                     "npes": member.npes,
                     "nbytes": nbytes,
-                    "device": self._mapper.device_identity(self.device.index),
+                    "device": device_identity,
                     "flags": flags,
                     "timeout": rendezvous,
                 },
@@ -141,6 +140,28 @@ class PeerBuffer:
         # a view, not an owner: close() unmaps the memory under it
         self._bytes = byte_view(self._local, nbytes, self.device)
         self._addresses = torch.tensor(self._pointers, dtype=torch.int64, device=self.device)
+
+    def _take_part(self, conn, member: Membership, device, where: str) -> str:
+        """This rank's device identity, or withdraw from the rendezvous and raise.
+
+        A rank whose device or backend is unusable here tells the daemon, so
+        its peers fail at once with the reason instead of waiting out the
+        rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE), or the
+        ValueError of a device peerd does not serve.
+        """
+        try:
+            self.device = require_torch().device(device) if device is not None else default_device()
+            self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
+            return self._mapper.device_identity(self.device.index)
+        except Exception as err:
+            reason = f"{type(err).__name__}: {err}"
+            try:
+                conn.call("withdraw", {**self._slot(member), "npes": member.npes, "reason": reason[:4096]})
+            except MonoUnsupported as refused:
+                log.warning("%s: the daemon did not take the withdrawal: %s", where, refused)
+            if isinstance(err, (ValueError, TypeError)):
+                raise
+            raise MonoUnsupported(f"this rank cannot take part ({where}): {reason}", BACKEND_UNAVAILABLE) from err
 
     def _slot(self, member: Membership) -> dict:
         return {"group": member.key, "name": self.name, "rank": member.rank}

@@ -16,6 +16,10 @@ class MonoUnsupported(Exception):
         self.code = code
 
 
+#: ``.code`` of a rank whose backend or device cannot be used on this machine
+BACKEND_UNAVAILABLE = "BACKEND_UNAVAILABLE"
+
+
 class DaemonUnavailable(MonoUnsupported):
     """No peerd daemon answered: none is running, it died, or it was restarted."""
 

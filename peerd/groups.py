@@ -352,9 +352,7 @@ class Registry:
                     _fail(caller, ErrorCode.LIMIT_EXCEEDED, f"the daemon already holds {limit} buffer sets "
                           f"(--max-groups {limit}); a new group={key[1]} name={key[2]} must wait for one to be freed")
                 ]
-            bset = BufferSet(next(self._ids), key[1], key[2], npes, req["nbytes"], req["flags"], now, uid)
-            self.sets[key] = bset
-            self._by_group.setdefault((uid, bset.group), {})[bset.id] = bset
+            bset = self._new_set(key, npes, req["nbytes"], req["flags"], now)
         else:
             problem = self._mismatch(bset, req)
             if problem:
@@ -390,6 +388,39 @@ class Registry:
             bset.timers.append(self._at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
             return []
         return self._open(bset, now)
+
+    def withdraw(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        """A rank that cannot take part: every rank waiting fails now, ranks still to come on arrival.
+
+        The verdict is a failed set like any other (its rendezvous had no
+        memory yet), kept as a failed rendezvous's is; see ``_fail_set``.
+        """
+        key = (uid, req["group"], req["name"])
+        rank, npes = req["rank"], req["npes"]
+        if rank >= npes:
+            return [_fail(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {req['reason']}"
+        bset = self.sets.get(key)
+        if bset is not None and bset.state is not State.JOINING:
+            held = bset.slots.get(rank)
+            if held is not None and held.held:
+                return [_fail(caller, ErrorCode.RANK_TAKEN, f"rank {rank} of {bset.label} is still held by pid {held.pid}")]
+            self._retire(bset)
+            bset = None
+        if bset is None:
+            limit = self.limits.max_groups
+            if limit is not None and sum(b.owner_uid == uid for b in self.sets.values()) >= limit:
+                return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
+            bset = self._new_set(key, npes, 0, 0, now)
+        bset.told.add(rank)
+        return self._fail_set(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
+
+    def _new_set(self, key: tuple[int | None, str, str], npes: int, nbytes: int, flags: int, now: float) -> BufferSet:
+        """A rendezvous for ``key``, now the key's current set."""
+        bset = BufferSet(next(self._ids), key[1], key[2], npes, nbytes, flags, now, key[0])
+        self.sets[key] = bset
+        self._by_group.setdefault((key[0], bset.group), {})[bset.id] = bset
+        return bset
 
     def _shape_limits(self, req: dict[str, Any]) -> str | None:
         """A request too big whoever asks: more ranks or a bigger buffer than allowed."""

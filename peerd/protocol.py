@@ -147,6 +147,15 @@ OPS: dict[str, dict[str, Field]] = {
         "reason": Field(str, lambda v: None if len(v) <= 4096 else "longer than 4096", ""),
         "timeout": _TIMEOUT,
     },
+    # This rank cannot take part (its backend or device is unusable here): fail the
+    # rendezvous for every rank at once, and keep the verdict for ranks still to come.
+    "withdraw": {
+        "group": _GROUP,
+        "name": Field(str, _key),
+        "rank": _RANK,
+        "npes": _NPES,
+        "reason": Field(str, lambda v: None if len(v) <= 4096 else "longer than 4096"),
+    },
     # Drop this rank's hold on the buffer set.
     "release": {
         "group": _GROUP,

@@ -85,6 +85,7 @@ class Daemon:
             "join": self._stateful(self.registry.join),
             "commit": self._stateful(self.registry.commit),
             "release": self._stateful(self.registry.release),
+            "withdraw": self._stateful(self.registry.withdraw),
             "agree": self._stateful(self.registry.agree),
             "evict": self._evict,
             "hello": self._immediate(self._hello),

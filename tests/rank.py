@@ -61,8 +61,8 @@ def join(args) -> dict:
     """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin)."""
     from peerd_client import PeerBuffer
 
-    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name, timeout=args.timeout,
-                    flags=args.flags) as buf:
+    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, args.device, name=args.name,
+                    timeout=args.timeout, flags=args.flags) as buf:
         if args.hold < 0:
             print("READY", flush=True)
             sys.stdin.readline()
@@ -486,6 +486,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--flags", type=int, default=0)
+    parser.add_argument("--device", default=None, help="torch device of the buffer (default: the worker's)")
     parser.add_argument("--store", default="")
     parser.add_argument("--die-at", choices=STEPS, default=None)
     parser.add_argument("--op", default="ls")

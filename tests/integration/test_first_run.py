@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Daemon, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
 
 
 def test_run_help_does_not_offer_the_socket_it_refuses():
@@ -37,3 +37,15 @@ def test_a_drain_says_how_to_stop_at_once_and_names_who_still_held_memory(socket
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_at_once(daemon):
+    """Asking for a CUDA buffer where CUDA is unusable: a MonoUnsupported, and no peer waits out its timeout."""
+    waiting = start_rank(daemon, "join", 1, 3, "--group", "nocuda", "--timeout", "600")
+    wait_until(lambda: "group=nocuda name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
+    (missing,) = run_ranks(daemon, "join", 3, "--group", "nocuda", "--device", "cuda:0", ranks=[0])
+    assert missing["type"] == "MonoUnsupported" and missing["code"] == "BACKEND_UNAVAILABLE", missing
+    peer = finish(waiting)
+    assert peer["code"] == "GROUP_FAILED" and "rank 0" in peer["message"] and "cannot take part" in peer["message"]
+    (late,) = run_ranks(daemon, "join", 3, "--group", "nocuda", ranks=[2])  # a peer still to come learns it too
+    assert late["code"] == "GROUP_FAILED" and "cannot take part" in late["message"], late

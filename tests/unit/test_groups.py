@@ -506,3 +506,35 @@ def test_a_sets_memory_goes_to_the_pid_holding_a_rank_once_the_handles_went_out(
     with pytest.raises(ProtocolError) as failed:
         reg.opened_set(slot, 100)
     assert failed.value.code is ErrorCode.GROUP_FAILED
+
+
+def withdraw(reg, rank, npes=3, pid=None, now=0.0):
+    body = {"group": "g", "name": "n", "rank": rank, "npes": npes, "reason": "BackendUnavailable: no CUDA"}
+    return reg.withdraw(("w", rank), pid if pid is not None else 100 + rank, body, now)
+
+
+def test_a_withdrawn_rank_fails_the_waiting_ranks_now_and_the_late_ones_on_arrival(reg, mem):
+    assert join(reg, 1, npes=3) == []
+    out = withdraw(reg, 0)
+    errors = {s.caller: s.error for s in out if s.error}
+    assert errors[("c", 1)].code is ErrorCode.GROUP_FAILED and "rank 0 (pid 100)" in errors[("c", 1)].message
+    assert "cannot take part: BackendUnavailable: no CUDA" in errors[("c", 1)].message
+    assert [s.body for s in out if s.caller == ("w", 0)] == [{}]
+    assert mem.live == {}, "rank 1's buffer is freed with the failed rendezvous"
+    (late,) = join(reg, 2, npes=3)
+    assert late.error.code is ErrorCode.GROUP_FAILED and "cannot take part" in late.error.message
+    assert reg.all_sets() == [], "forgotten once every rank heard it"
+
+
+def test_a_withdrawal_before_anyone_joined_is_kept_for_the_ranks_to_come(reg):
+    withdraw(reg, 2)
+    for rank in (0, 1):
+        (verdict,) = join(reg, rank, npes=3)
+        assert verdict.error.code is ErrorCode.GROUP_FAILED, verdict
+
+
+def test_a_rank_held_in_a_live_set_cannot_withdraw_from_it(reg):
+    join(reg, 0), join(reg, 1)
+    commit(reg, 0), commit(reg, 1)
+    (refused,) = withdraw(reg, 0, npes=2)
+    assert refused.error.code is ErrorCode.RANK_TAKEN
