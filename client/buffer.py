@@ -6,6 +6,7 @@ import logging
 import os
 
 from peerd.backends import mapper as backend_mapper
+from peerd.protocol import MAX_REASON_CHARS
 
 from .connection import GRACE_S, connection
 from .errors import ForkedProcessError, MonoUnsupported
@@ -89,7 +90,7 @@ class PeerBuffer:
         except Exception as err:  # every rank must still reach the agreement
             failure = err
             log.warning("%s could not map a peer: %s", where, err)
-        reason = "" if failure is None else f"{type(failure).__name__}: {failure}"
+        reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]
         agreed_wait = (timeout or conn.hello["agreement_timeout"]) + GRACE_S
         try:
             verdict = conn.call(
