@@ -3,8 +3,11 @@ worker ranks as separate processes, the CLI as a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -29,6 +32,32 @@ def wait_until(predicate, timeout: float, what: str) -> None:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
 
+
+@contextlib.contextmanager
+def local_users(group: str, *names: str):
+    """Real Unix users (no home, no login shell), members of group: created where missing, removed after."""
+    created = []
+    if not _exists(grp.getgrnam, group):
+        subprocess.run(["groupadd", group], check=True)
+        created.append(["groupdel", group])
+    for name in names:
+        if not _exists(pwd.getpwnam, name):
+            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
+                            "--groups", group, name], check=True)
+            created.insert(0, ["userdel", name])
+    try:
+        yield
+    finally:
+        for command in created:
+            subprocess.run(command, check=False)
+
+
+def _exists(lookup, name) -> bool:
+    try:
+        lookup(name)
+        return True
+    except KeyError:
+        return False
 
 
 @dataclass

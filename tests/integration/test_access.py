@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 
 USER, OTHER_USER, SOCKET_GROUP = "peerd-probe", "peerd-probe2", "peerd-sock"
 MiB = 1 << 20
@@ -24,27 +24,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create 
 @pytest.fixture(scope="module")
 def probe_user():
     """A second user, member of the socket group: (uid, gid, socket gid). Removed afterwards."""
-    created = []
-    if not _exists(grp.getgrnam, SOCKET_GROUP):
-        subprocess.run(["groupadd", SOCKET_GROUP], check=True)
-        created.append(["groupdel", SOCKET_GROUP])
-    for name in (USER, OTHER_USER):
-        if not _exists(pwd.getpwnam, name):
-            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin",
-                            "--groups", SOCKET_GROUP, name], check=True)
-            created.insert(0, ["userdel", name])
-    user = pwd.getpwnam(USER)
-    yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
-    for command in created:
-        subprocess.run(command, check=False)
-
-
-def _exists(lookup, name) -> bool:
-    try:
-        lookup(name)
-        return True
-    except KeyError:
-        return False
+    with local_users(SOCKET_GROUP, USER, OTHER_USER):
+        user = pwd.getpwnam(USER)
+        yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
 
 
 def as_user(user) -> tuple[str, str]:
