@@ -101,3 +101,19 @@ def test_votes_must_be_booleans_not_ints():
 def test_a_reply_with_an_unknown_code_still_decodes():
     frame = raw({"v": 1, "id": 1, "ok": False, "error": {"code": "FROM_THE_FUTURE", "message": "m"}})
     assert protocol.decode_reply(frame).error.code is ErrorCode.INTERNAL
+
+
+def test_the_largest_valid_request_of_every_op_fits_the_daemons_frame_cap():
+    """Every string at its longest in 4-byte UTF-8: the daemon's ZMQ_MAXMSGSIZE never cuts a valid request."""
+    key = "\U0001F600" * protocol.MAX_KEY_CHARS
+    longest = {
+        "group": key, "name": key, "device": key, "reason": "\U0001F600" * protocol.MAX_REASON_CHARS,
+        "rank": protocol.MAX_RANKS - 1, "npes": protocol.MAX_RANKS, "nbytes": protocol.MAX_NBYTES,
+        "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S, "after": [key, key],
+        "limit": protocol.MAX_LS_PAGE,
+    }
+    for op, schema in protocol.OPS.items():
+        body = {name: longest[name] for name in schema}
+        frame = protocol.encode_request((1 << 63) - 1, op, body)
+        assert len(frame) <= protocol.MAX_REQUEST_BYTES, (op, len(frame))
+        assert protocol.decode_request(frame).body == body
