@@ -8,7 +8,7 @@ import os
 from peerd.backends import mapper as backend_mapper
 from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
-from peerd.protocol import ProtocolError
+from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
 from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, undelivered
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
@@ -118,7 +118,7 @@ class PeerBuffer:
         finally:
             for fd in fds:  # a mapping keeps the memory; the fds are spent
                 os.close(fd)
-        reason = "" if failure is None else f"{type(failure).__name__}: {failure}"
+        reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]
         try:
             verdict = conn.call(
                 "commit",
@@ -156,7 +156,7 @@ class PeerBuffer:
         except Exception as err:
             reason = f"{type(err).__name__}: {err}"
             try:
-                conn.call("withdraw", {**self._slot(member), "npes": member.npes, "reason": reason[:4096]})
+                conn.call("withdraw", {**self._slot(member), "npes": member.npes, "reason": reason[:MAX_REASON_CHARS]})
             except MonoUnsupported as refused:
                 log.warning("%s: the daemon did not take the withdrawal: %s", where, refused)
             if isinstance(err, (ValueError, TypeError)):

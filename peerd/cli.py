@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import replace
+from typing import Any, Iterator
 
 import click
 
@@ -108,16 +109,22 @@ def config(settings: Settings, as_json: bool) -> None:
         click.echo(f"{key.ljust(width)}  {value.ljust(value_width)}  # {source}")
 
 
-def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
-    """One request to the daemon; exits EXIT_UNREACHABLE when none answers, 1 when it refuses."""
+def _connect(socket_path: str) -> Any:
+    """A connection to the daemon; exits EXIT_UNREACHABLE when none answers."""
     from peerd_client.connection import Connection
-    from peerd_client.errors import DaemonUnavailable, MonoUnsupported
+    from peerd_client.errors import DaemonUnavailable
 
     try:
-        conn = Connection(socket_path)
+        return Connection(socket_path)
     except (DaemonUnavailable, ValueError) as err:
         click.echo(f"peerd: unreachable: {escape(str(err))}", err=True)
         sys.exit(EXIT_UNREACHABLE)
+
+
+def _call(conn: Any, op: str, body: dict | None = None) -> dict:
+    """One request; exits EXIT_UNREACHABLE when the daemon does not answer, 1 when it refuses."""
+    from peerd_client.errors import DaemonUnavailable, MonoUnsupported
+
     try:
         return conn.call(op, body or {})
     except DaemonUnavailable as err:
@@ -126,8 +133,26 @@ def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
     except MonoUnsupported as err:
         click.echo(f"peerd: {op} refused ({err.code}): {escape(str(err))}", err=True)
         sys.exit(1)
+
+
+def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
+    """One request on a connection of its own."""
+    conn = _connect(socket_path)
+    try:
+        return _call(conn, op, body)
     finally:
         conn.close()
+
+
+def _buffer_sets(conn: Any, after: list | None = None) -> Iterator[dict]:
+    """Every buffer set after the cursor [group, name, uid], in that order, page by page (a page is one reply)."""
+    while True:
+        page = _call(conn, "ls", {"after": after})
+        yield from page["groups"]
+        if not page["more"] or not page["groups"]:
+            return
+        last = page["groups"][-1]
+        after = [last["group"], last["name"], -1 if last["uid"] is None else last["uid"]]
 
 
 def _size(n: int) -> str:
@@ -163,6 +188,12 @@ def status(socket_path: str, as_json: bool) -> None:
             f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {_size(d['total_bytes'])} total, "
             f"daemon footprint {_size(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
+    c = info["connections"]
+    busiest = ", ".join(f"uid {uid}: {n}" for uid, n in c["top_uids"]) or "none"
+    click.echo(
+        f"connections: {c['open']} open of at most {c['max']} ({c['max_per_uid']} per uid), {c['refused']} shut "
+        f"down over a cap, {info['replies_dropped']} repl(ies) dropped; busiest {busiest}"
+    )
     sys.exit(code)
 
 
@@ -174,7 +205,11 @@ def list_groups(socket_path: str, as_json: bool) -> None:
 
     Root and the daemon's user see every uid's sets; anyone else sees their own.
     """
-    groups = _ask(socket_path, "ls")["groups"]
+    conn = _connect(socket_path)
+    try:
+        groups = list(_buffer_sets(conn))
+    finally:
+        conn.close()
     if as_json:
         click.echo(json.dumps(groups, indent=2, sort_keys=True))
         return
@@ -228,18 +263,27 @@ def evict(socket_path: str, group: str, name: str | None, uid: int | None, yes: 
     still polling the memory will touch freed memory. Use it for a group
     stuck behind processes that will not let go, after stopping them if you can.
     """
-    sets = [g for g in _ask(socket_path, "ls")["groups"]
-            if g["group"] == group and (name is None or g["name"] == name) and (uid is None or g["uid"] == uid)]
-    if not sets:
-        click.echo(f"peerd: no buffer set of group {group!r}" + (f" named {name!r}" if name else "")
-                   + (f" of uid {uid}" if uid is not None else ""), err=True)
-        sys.exit(1)
-    for g in sets:
-        pids = ", ".join(str(g["pids"][str(r)]) for r in g["held"]) or "none"
-        click.echo(f"WARNING: group={escape(g['group'])} name={escape(g['name'])} of uid {g['uid']} ({g['state']}) "
-                   f"is held by pids {pids}; kernels of those processes may still touch its memory after it is "
-                   "freed.", err=True)
-    if not yes:
-        click.confirm("Evict and free it now?", abort=True, err=True)
-    for entry in _ask(socket_path, "evict", {"group": group, "name": name, "uid": uid})["evicted"]:
-        click.echo(f"evicted group={escape(entry['group'])} name={escape(entry['name'])} of uid {entry['uid']}")
+    conn = _connect(socket_path)
+    try:
+        sets = []
+        for g in _buffer_sets(conn, after=[group, "", -2]):  # the group's sets come first, by name and uid
+            if g["group"] != group:
+                break
+            if (name is None or g["name"] == name) and (uid is None or g["uid"] == uid):
+                sets.append(g)
+        if not sets:
+            click.echo(f"peerd: no buffer set of group {escape(group)!r}" + (f" named {escape(name)!r}" if name else "")
+                       + (f" of uid {uid}" if uid is not None else ""), err=True)
+            sys.exit(1)
+        for g in sets:
+            pids = ", ".join(str(g["pids"][str(r)]) for r in g["held"]) or "none"
+            click.echo(f"WARNING: group={escape(g['group'])} name={escape(g['name'])} of uid {g['uid']} "
+                       f"({g['state']}) is held by pids {pids}; kernels of those processes may still touch its "
+                       "memory after it is freed.", err=True)
+        if not yes:
+            click.confirm("Evict and free it now?", abort=True, err=True)
+        for g in sets:  # one set per request: each reply stays small however many sets the group has
+            for entry in _call(conn, "evict", {"group": group, "name": g["name"], "uid": g["uid"]})["evicted"]:
+                click.echo(f"evicted group={escape(entry['group'])} name={escape(entry['name'])} of uid {entry['uid']}")
+    finally:
+        conn.close()

@@ -18,11 +18,24 @@ import msgpack
 
 VERSION = 1
 
-#: Largest frame either side accepts (also set as ZMQ_MAXMSGSIZE on the daemon).
+#: Largest reply frame a client accepts.
 MAX_FRAME_BYTES = 1 << 20
 
-#: Longest group key or buffer-set name.
-MAX_KEY_CHARS = 256
+#: Largest request frame the daemon accepts (its ZMQ_MAXMSGSIZE): the largest
+#: valid request, every string at its longest in 4-byte UTF-8, needs under 6 KiB,
+#: so a bigger frame is dropped at its header, before libzmq buffers it.
+MAX_REQUEST_BYTES = 8 << 10
+
+#: Longest group key or buffer-set name (and device identity).
+MAX_KEY_CHARS = 128
+
+#: Longest reason a rank may give with a failed commit vote.
+MAX_REASON_CHARS = 1024
+
+#: Most buffer sets one `ls` reply carries; the daemon also stops a page at
+#: LS_PAGE_BYTES, so every reply stays far below a client's MAX_FRAME_BYTES.
+MAX_LS_PAGE = 1024
+LS_PAGE_BYTES = 32 << 10
 
 #: Most ranks one group may have.
 MAX_RANKS = 1024
@@ -96,6 +109,15 @@ def _key(value: str) -> str | None:
     return None
 
 
+def _cursor(value: list | None) -> str | None:
+    if value is None:
+        return None
+    if (len(value) != 3 or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
+            or isinstance(value[2], bool) or not isinstance(value[2], int)):
+        return f"must be [group, name, uid]: two strings of at most {MAX_KEY_CHARS} characters and an integer"
+    return None
+
+
 def _between(low: float, high: float) -> Callable[[Any], str | None]:
     def check(value: float) -> str | None:
         if not low <= value <= high:
@@ -119,6 +141,7 @@ def _flags(value: int) -> str | None:
     return None
 
 
+_REASON = Field(str, lambda v: None if len(v) <= MAX_REASON_CHARS else f"longer than {MAX_REASON_CHARS}", "")
 _TIMEOUT = Field((int, float, type(None)), _timeout, None)
 _GROUP = Field(str, _key)
 _RANK = Field(int, _between(0, MAX_RANKS - 1))
@@ -144,7 +167,7 @@ OPS: dict[str, dict[str, Field]] = {
         "name": Field(str, _key),
         "rank": _RANK,
         "ok": Field(bool),
-        "reason": Field(str, lambda v: None if len(v) <= 4096 else "longer than 4096", ""),
+        "reason": _REASON,
         "timeout": _TIMEOUT,
     },
     # This rank cannot take part (its backend or device is unusable here): fail the
@@ -154,7 +177,7 @@ OPS: dict[str, dict[str, Field]] = {
         "name": Field(str, _key),
         "rank": _RANK,
         "npes": _NPES,
-        "reason": Field(str, lambda v: None if len(v) <= 4096 else "longer than 4096"),
+        "reason": Field(str, _REASON.check),
     },
     # Drop this rank's hold on the buffer set.
     "release": {
@@ -180,7 +203,12 @@ OPS: dict[str, dict[str, Field]] = {
     # First call of every connection: proves the daemon answers, gives its defaults.
     "hello": {},
     "status": {},
-    "ls": {},
+    # One page of the buffer sets, in (group, name, uid) order, after the cursor
+    # [group, name, uid] (the last entry of the previous page; None: from the start).
+    "ls": {
+        "after": Field((list, type(None)), _cursor, None),
+        "limit": Field(int, _between(1, MAX_LS_PAGE), MAX_LS_PAGE),
+    },
 }
 
 
@@ -258,7 +286,7 @@ def request_id_of(message: Any) -> int | None:
     return None
 
 
-def decode_request(frame: bytes, max_bytes: int = MAX_FRAME_BYTES) -> Request:
+def decode_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
     """A validated request, or ProtocolError saying what is wrong with the frame."""
     message = _unpack(frame, max_bytes)
     if not isinstance(message, dict):

@@ -9,6 +9,7 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
@@ -23,7 +24,8 @@ import zmq
 
 from . import __version__
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
-from .health import problems
+from .connections import ConnectionGuard, raise_fd_limit
+from .health import NEARLY, problems
 from .backends import MemoryBackend
 from .fdchannel import FdChannelServer
 from .groups import Allocation, Outbox, Registry, Send
@@ -33,6 +35,8 @@ from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
 from .protocol import (
+    LS_PAGE_BYTES,
+    MAX_REQUEST_BYTES,
     VERSION,
     ErrorCode,
     ProtocolError,
@@ -43,6 +47,7 @@ from .protocol import (
     validate_body,
 )
 from .settings import Loader, Settings
+from .tally import Tally
 from .trust import Credentials, NotASocket, credentials
 
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
@@ -52,9 +57,34 @@ TICK_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
 
 #: settings a SIGHUP cannot change in a running daemon
-RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "max_message_bytes")
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port")
+
+#: What one connection can make the daemon hold. A client has one call
+#: outstanding, plus a few releases whose replies it skips, so these bind
+#: only a client that floods or does not read: past RCVHWM requests its
+#: connection waits (libzmq stops reading it); past SNDHWM replies to it are
+#: dropped and counted (ROUTER_MANDATORY). A client with at most SNDHWM
+#: requests in flight that reads its replies never loses one: a turn serves
+#: at most that many. Worst case per connection: 32 x 8 KiB in, 33 x 32 KiB out.
+ROUTER_RCVHWM = 32
+ROUTER_SNDHWM = 32
+
+#: Most messages, and seconds, one loop turn serves before it lets timers,
+#: deaths and signals in. The ROUTER takes messages round-robin across
+#: connections and each reply leaves as soon as it is known, so a flooding
+#: connection delays another's request by one message, never by its backlog.
+MESSAGES_PER_TURN = ROUTER_SNDHWM
+TURN_S = 0.01
+
+#: problems `peerd status` lists at most (each stuck set is one)
+MAX_PROBLEMS_SHOWN = 20
 
 log = logging.getLogger("peerd.server")
+
+
+def _position(entry: dict) -> tuple:
+    """Where a listing entry sorts, and what a client's `ls` cursor names: group, name, owner uid."""
+    return entry["group"], entry["name"], -1 if entry["uid"] is None else entry["uid"]
 
 
 class Daemon:
@@ -81,6 +111,7 @@ class Daemon:
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
+        self._dropped = Tally(log, "dropped %d reply(ies)")
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
             "join": self._stateful(self.registry.join),
             "commit": self._stateful(self.registry.commit),
@@ -90,7 +121,7 @@ class Daemon:
             "evict": self._evict,
             "hello": self._immediate(self._hello),
             "status": self._immediate(self._status),
-            "ls": lambda caller, who, body: [Send(caller, {"groups": self.registry.listing(time.monotonic(), who.uid)})],
+            "ls": self._ls,
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -104,10 +135,18 @@ class Daemon:
         except NotASocket:
             self._lock.release()
             raise
+        fd_limit = raise_fd_limit()
+        unsafe = self.settings.connection_limits.unsafe_under(fd_limit)
+        if unsafe:
+            log.warning("%s", unsafe)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes or -1)  # 0: no limit
+        for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.RCVHWM, ROUTER_RCVHWM),
+                              (zmq.SNDHWM, ROUTER_SNDHWM), (zmq.ROUTER_MANDATORY, 1)):
+            self._router.setsockopt(option, value)
+        self._guard = ConnectionGuard(self._router, self.settings.connection_limits,
+                                      lambda uid, gid, pid: self.allowlist.allows(uid, gid, pid))
+        self._guard.start()
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
         self._fd_channel = FdChannelServer(fd_socket_path(self.socket_path), self.socket_gid, self._member_fds)
@@ -185,6 +224,7 @@ class Daemon:
         self.registry.agreement_timeout = fresh.agreement_timeout
         ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
         self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
+        self._guard.limits = self.settings.connection_limits
         self._refused.clear()
         log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
                     f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
@@ -211,6 +251,7 @@ class Daemon:
         self._router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies (SHUTTING_DOWN) still go out
         self._fd_channel.close()
         self._ctx.term()
+        self._guard.join()
         self._wake_r.close()
         self._wake_w.close()
         if os.path.exists(self.socket_path):
@@ -242,7 +283,7 @@ class Daemon:
             self._wake_r.recv(4096)
             out += self._handle_signals(now)
         if self._router in events:
-            out += self._drain_router()
+            self._serve_router()
         readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]
         for fd in readable:
             poller.unregister(fd)
@@ -262,6 +303,7 @@ class Daemon:
         self._next_tick = now + min(TICK_S, interval or TICK_S)
         if interval is not None:
             self._notifier.watchdog()
+        self._dropped.flush()
         if self._notifier.active:
             self._notifier.status(("draining: " if self._drain_until else "") + self._summary())
 
@@ -276,15 +318,18 @@ class Daemon:
             waits.append(max(0.0, self._drain_until - time.monotonic()))
         return None if not waits else int(min(waits) * 1000) + 1
 
-    def _drain_router(self) -> Outbox:
-        """Handle every frame already queued, so one poll serves a burst."""
-        out: Outbox = []
-        while True:
+    def _serve_router(self) -> None:
+        """Serve queued requests, each reply sent at once: one poll serves a burst, and a flood
+        can neither hold replies back nor keep the loop from timers, deaths and signals."""
+        turn_ends = time.monotonic() + TURN_S
+        for _ in range(MESSAGES_PER_TURN):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return out
-            out += self._handle(frames)
+                return
+            self._deliver(self._handle(frames))
+            if time.monotonic() >= turn_ends:
+                return
 
     def _handle(self, frames: list[zmq.Frame]) -> Outbox:
         if len(frames) != 2:
@@ -298,7 +343,7 @@ class Daemon:
         if not self.allowlist.allows(who.uid, who.gid, who.pid):
             return self._refuse(identity, who, payload.bytes)
         try:
-            request = decode_request(payload.bytes, self.settings.max_message_bytes or len(payload.bytes))
+            request = decode_request(payload.bytes)
         except ProtocolError as err:
             log.warning("pid %d sent a bad request: %s", who.pid, err)
             return [Send((identity, err.request_id), error=err)]
@@ -325,8 +370,10 @@ class Daemon:
                 frame = encode_reply(request_id, send.body)
             try:
                 self._router.send_multipart([identity, frame], zmq.NOBLOCK)
-            except zmq.ZMQError as err:  # the caller is gone or its queue is full
-                log.warning("could not deliver a reply to request %s: %s", request_id, err)
+            except zmq.Again:
+                self._dropped.add(f"the client's queue is full ({ROUTER_SNDHWM} replies): it does not read them")
+            except zmq.ZMQError:  # EHOSTUNREACH
+                self._dropped.add("the client disconnected before its reply")
 
     # ------------------------------------------------------------ handlers
 
@@ -388,6 +435,20 @@ class Daemon:
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
         return out + [Send(caller, {"evicted": evicted})]
 
+    def _ls(self, caller: Any, who: Credentials, body: dict) -> Outbox:
+        """One page of the buffer sets after the caller's cursor, in (group, name) order, at most
+        body["limit"] of them and about LS_PAGE_BYTES packed: a listing at the limits still fits a reply."""
+        entries = sorted(self.registry.listing(time.monotonic(), who.uid), key=_position)
+        start = 0 if body["after"] is None else bisect.bisect_right(entries, tuple(body["after"]), key=_position)
+        page: list[dict] = []
+        size = 0
+        for entry in entries[start:start + body["limit"]]:
+            size += len(msgpack.packb(entry, use_bin_type=True))
+            if page and size > LS_PAGE_BYTES:
+                break
+            page.append(entry)
+        return [Send(caller, {"groups": page, "more": start + len(page) < len(entries)})]
+
     @staticmethod
     def _immediate(build: Callable[[], dict]) -> Callable[[Any, Credentials, dict], Outbox]:
         return lambda caller, who, body: [Send(caller, build())]
@@ -414,7 +475,12 @@ class Daemon:
 
     def _status(self) -> dict:
         devices = self.backend.devices()
+        connections = self._guard.snapshot()
         found = problems(self.registry, devices, time.monotonic())
+        if connections["open"] >= NEARLY * connections["max"]:
+            found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
+        if len(found) > MAX_PROBLEMS_SHOWN:
+            found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
         return {
             **self._hello(),
             "health": "degraded" if found else "healthy",
@@ -431,4 +497,6 @@ class Daemon:
             "agreements_pending": len(self.registry.agreements),
             "clients_watched": len(self._watcher.fds),
             "liveness": "polling" if self._watcher.polling else "pidfd",
+            "connections": connections,
+            "replies_dropped": self._dropped.total,
         }

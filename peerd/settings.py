@@ -27,9 +27,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from .connections import (
+    DEFAULT_CONNECTIONS_PER_UID,
+    MAX_CONNECTIONS_CEILING,
+    REFUSED_UID_CONNECTIONS,
+    ConnectionLimits,
+    default_max_connections,
+)
 from .groups import Limits
 from .paths import default_socket
-from .protocol import MAX_FRAME_BYTES
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -103,7 +109,11 @@ OPTIONS = (
     Option("max_bytes_per_device", ByteSize(), None, "Most bytes the daemon allocates on one device."),
     Option("max_groups", click.IntRange(min=1), Limits.max_groups, "Most buffer sets held at once."),
     Option("max_ranks", click.IntRange(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
-    Option("max_message_bytes", ByteSize(), MAX_FRAME_BYTES, "Largest request frame; bigger ones drop the connection."),
+    Option("max_connections", click.IntRange(min=1), default_max_connections, "Most client connections held at "
+           f"once; more are shut down at once [default: what the hard fd limit carries, at most "
+           f"{MAX_CONNECTIONS_CEILING}]."),
+    Option("max_connections_per_uid", click.IntRange(min=1), DEFAULT_CONNECTIONS_PER_UID,
+           f"Most connections one uid may hold at once (a uid the allowlist refuses: {REFUSED_UID_CONNECTIONS})."),
     Option("shutdown_grace", click.FloatRange(min=0), 30.0,
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
     Option("metrics_port", click.IntRange(min=0, max=65535), 0,
@@ -128,7 +138,8 @@ class Settings:
     max_bytes_per_device: int | None = None
     max_groups: int = Limits.max_groups
     max_ranks: int = Limits.max_ranks
-    max_message_bytes: int = MAX_FRAME_BYTES
+    max_connections: int = field(default_factory=default_max_connections)
+    max_connections_per_uid: int = DEFAULT_CONNECTIONS_PER_UID
     shutdown_grace: float = 30.0
     metrics_port: int = 0
 
@@ -136,6 +147,10 @@ class Settings:
     def limits(self) -> Limits:
         return Limits(self.max_buffer_bytes or None, self.max_bytes_per_uid or None,
                       self.max_bytes_per_device or None, self.max_groups, self.max_ranks)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.max_connections, self.max_connections_per_uid)
 
 
 class ConfigError(click.ClickException):

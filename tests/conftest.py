@@ -64,10 +64,9 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-
 @contextlib.contextmanager
-def unix_users(group: str, names: tuple[str, ...]):
-    """Users ``names``, all members of ``group``: created where missing (as root), removed afterwards."""
+def local_users(group: str, *names: str):
+    """Real Unix users (no home, no login shell), members of group: created where missing, removed after."""
     created = []
     if not _exists(grp.getgrnam, group):
         subprocess.run(["groupadd", group], check=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, finish, run_ranks, start_rank, unix_users, wait_until
+from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 
 USER, OTHER_USER, SOCKET_GROUP = "pdc-probe", "pdc-probe2", "pdc-sock"
 MiB = 1 << 20
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create 
 @pytest.fixture(scope="module")
 def probe_user():
     """A second user, member of the socket group: (uid, gid, socket gid). Removed afterwards."""
-    with unix_users(SOCKET_GROUP, (USER, OTHER_USER)):
+    with local_users(SOCKET_GROUP, USER, OTHER_USER):
         user = pwd.getpwnam(USER)
         yield user.pw_uid, user.pw_gid, grp.getgrnam(SOCKET_GROUP).gr_gid
 

@@ -23,7 +23,7 @@ import pytest
 from peerd.fdchannel import connect, fetch_fds
 from peerd.paths import check_socket_path, fd_socket_path
 from peerd.protocol import ErrorCode, ProtocolError
-from tests.conftest import Daemon, finish, memfd_holders, memfds, run_ranks, start_rank, unix_users, wait_until
+from tests.conftest import Daemon, finish, memfd_holders, memfds, run_ranks, start_rank, local_users, wait_until
 
 GROUP, DAEMON_USER, USER_A, USER_B = "pdm-sock", "pdm-daemon", "pdm-a", "pdm-b"
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create 
 def users():
     """The daemon's user and workers A and B, all in the socket group: name -> uid:gid:socket gid."""
     names = (DAEMON_USER, USER_A, USER_B)
-    with unix_users(GROUP, names):
+    with local_users(GROUP, *names):
         gid = grp.getgrnam(GROUP).gr_gid
         yield {name: f"{pwd.getpwnam(name).pw_uid}:{pwd.getpwnam(name).pw_gid}:{gid}" for name in names}
 

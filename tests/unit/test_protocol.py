@@ -125,3 +125,19 @@ def test_escape_makes_one_printable_line_of_any_text():
     assert escape("a\nb\x1b[2J\u2028") == "a\\nb\\x1b[2J\\u2028"
     record = logging.LogRecord("peerd", logging.INFO, __file__, 1, "reason: %s", ("x\n2026 INFO forged",), None)
     assert EscapingFormatter("%(levelname)s %(message)s").format(record) == "INFO reason: x\\n2026 INFO forged"
+
+
+def test_the_largest_valid_request_of_every_op_fits_the_daemons_frame_cap():
+    """Every string at its longest in 4-byte UTF-8: the daemon's ZMQ_MAXMSGSIZE never cuts a valid request."""
+    key = "\U0001F600" * protocol.MAX_KEY_CHARS
+    longest = {
+        "group": key, "name": key, "device": key, "reason": "\U0001F600" * protocol.MAX_REASON_CHARS,
+        "rank": protocol.MAX_RANKS - 1, "npes": protocol.MAX_RANKS, "nbytes": protocol.MAX_NBYTES,
+        "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S, "after": [key, key, (1 << 32) - 1], "uid": (1 << 32) - 1,
+        "limit": protocol.MAX_LS_PAGE,
+    }
+    for op, schema in protocol.OPS.items():
+        body = {name: longest[name] for name in schema}
+        frame = protocol.encode_request((1 << 63) - 1, op, body)
+        assert len(frame) <= protocol.MAX_REQUEST_BYTES, (op, len(frame))
+        assert protocol.decode_request(frame).body == body

@@ -1,0 +1,191 @@
+"""The connection guard: caps the connections the daemon holds, in total and per uid.
+
+libzmq has no such cap, and it aborts the whole process when accept() hits
+the fd limit (its ipc listener asserts on EMFILE), so a local user opening
+idle connections could kill the daemon. The guard watches the ROUTER's
+monitor, which reports each accepted connection's fd: it reads the peer's
+uid off a dup of that fd (SO_PEERCRED) and, past a cap, shuts the connection
+down (shutdown(2): libzmq's engine reads EOF and closes its own fd; the
+guard never closes an fd it does not own). It runs on a thread of its own,
+so a busy loop never delays it, and libzmq blocks its I/O thread while the
+monitor's queue is full, so accepting never runs far ahead of the guard.
+The budget leaves room for that lag: see ``default_max_connections``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import struct
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from .tally import LOG_EVERY_S, Tally
+
+log = logging.getLogger("peerd.connections")
+
+#: fds the daemon keeps for itself: listener, zmq's mailboxes and epoll, the
+#: wakeup pipe, metrics, logs, and the transient dup the guard makes
+FDS_RESERVED = 128
+#: connections libzmq may accept before the guard sees them: its I/O thread
+#: blocks once the monitor's queue (1000 events, plus the guard's receive
+#: high-water mark of 1) is full
+MONITOR_LAG = 1024
+#: fds one connection may bring: its socket, a pidfd on its process, a buffer's fd
+FDS_PER_CONNECTION = 3
+#: the default cap never exceeds this: past it, idle connections alone would
+#: cost the daemon more memory than its whole working set
+MAX_CONNECTIONS_CEILING = 4096
+#: the default cap never goes below this, even where the fd limit is too low to
+#: carry it (the daemon then warns at start)
+MIN_DEFAULT_CONNECTIONS = 256
+#: the default per-uid cap: a worker process holds one connection, so this is
+#: 8 GPUs times 8 processes of one user; it also bounds what one uid can make
+#: the daemon queue (about 1.3 MiB a connection: see peerd.server's high-water marks)
+DEFAULT_CONNECTIONS_PER_UID = 64
+#: a uid the allowlist refuses still gets a few connections, to receive its FORBIDDEN reply
+REFUSED_UID_CONNECTIONS = 4
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (always allowed); the limit now in force."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+def connections_within(fd_limit: int) -> int:
+    """How many connections an fd limit carries, after the daemon's own fds and the guard's lag."""
+    return max(0, (fd_limit - FDS_RESERVED - MONITOR_LAG) // FDS_PER_CONNECTION)
+
+
+def default_max_connections() -> int:
+    """What the hard fd limit carries (the daemon raises its soft limit to it), between the floor and the ceiling."""
+    carried = connections_within(resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    return max(MIN_DEFAULT_CONNECTIONS, min(MAX_CONNECTIONS_CEILING, carried))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    total: int  # --max-connections
+    per_uid: int  # --max-connections-per-uid
+
+    def unsafe_under(self, fd_limit: int) -> str | None:
+        """Why the fd limit cannot carry these caps through a flood of connections, or None."""
+        if self.total <= connections_within(fd_limit):
+            return None
+        needed = self.total * FDS_PER_CONNECTION + FDS_RESERVED + MONITOR_LAG
+        return (f"--max-connections {self.total} needs about {needed} file descriptors, the limit is {fd_limit}: "
+                "a flood of connections could exhaust them, and libzmq aborts the daemon then; raise the hard "
+                f"limit (LimitNOFILE= in the unit, ulimit -Hn) or lower --max-connections to "
+                f"{connections_within(fd_limit)}")
+
+
+class ConnectionGuard:
+    """Admits or shuts down each connection the ROUTER accepts; the loop only reads its counters."""
+
+    def __init__(self, router: zmq.Socket, limits: ConnectionLimits, allows: Callable[[int, int, int], bool]):
+        self.limits = limits  # replaced on SIGHUP
+        self._allows = allows  # the daemon's current allowlist: (uid, gid, pid) -> bool
+        address = f"inproc://peerd-connections-{id(self)}"
+        router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = router.context.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.RCVHWM, 1)  # keeps libzmq's lead at the monitor's own queue (MONITOR_LAG)
+        self._monitor.connect(address)
+        self._lock = threading.Lock()
+        self._uid_of: dict[int, int] = {}  # fd -> uid, for each connection let in
+        self._by_uid: Counter[int] = Counter()
+        self._refused = Tally(log, "shut down %d connection(s)")
+        self._thread = threading.Thread(target=self._run, name="peerd-connection-guard", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the thread, which ends once the daemon's ZeroMQ context is terminated."""
+        self._thread.join(timeout=5)
+
+    def snapshot(self) -> dict:
+        """The counters `peerd status` shows."""
+        with self._lock:
+            return {
+                "open": len(self._uid_of),
+                "max": self.limits.total,
+                "max_per_uid": self.limits.per_uid,
+                "refused": self._refused.total,
+                "top_uids": [[uid, n] for uid, n in self._by_uid.most_common(5)],
+            }
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._step()
+            except zmq.ContextTerminated:  # the daemon is shutting down
+                self._monitor.close(linger=0)
+                return
+            except Exception:  # a bug must cost one connection's check, never the cap (nor libzmq's I/O thread,
+                log.exception("the connection guard hit an error; guarding on")  # which waits on this queue)
+
+    def _step(self) -> None:
+        if self._monitor.poll(int(LOG_EVERY_S * 1000)):
+            head, address = self._monitor.recv_multipart()
+            event, value = struct.unpack("=HI", head[:6])
+            if event == zmq.EVENT_ACCEPTED:
+                self._admit(value, address.decode())
+            else:
+                self._forget(value)
+        self._refused.flush()
+
+    def _admit(self, fd: int, address: str) -> None:
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            return  # already closed: its EVENT_DISCONNECTED follows
+        try:
+            peer = socket.socket(fileno=dup)
+        except OSError:  # the number was reused for something else than a socket
+            os.close(dup)
+            return
+        with peer:
+            if peer.family != socket.AF_UNIX or f"ipc://{peer.getsockname()}" != address:
+                return  # reused for another socket of the daemon's: never touch it
+            pid, uid, gid = _CREDENTIALS.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                _CREDENTIALS.size))
+            why = self._over_cap(uid, gid, pid)
+            if why is None:
+                with self._lock:
+                    self._uid_of[fd] = uid
+                    self._by_uid[uid] += 1
+                return
+            peer.shutdown(socket.SHUT_RDWR)  # libzmq sees EOF and closes its fd itself
+        self._refused.add(why)
+
+    def _over_cap(self, uid: int, gid: int, pid: int) -> str | None:
+        """Why this connection may not stay, or None."""
+        limits = self.limits
+        if len(self._uid_of) >= limits.total:
+            return f"the daemon holds {limits.total} connections (--max-connections)"
+        if not self._allows(uid, gid, pid):
+            if self._by_uid[uid] >= REFUSED_UID_CONNECTIONS:
+                return f"uid {uid} is not in the allowlist and holds the {REFUSED_UID_CONNECTIONS} connections left to it"
+        elif self._by_uid[uid] >= limits.per_uid:
+            return f"uid {uid} holds {limits.per_uid} connections (--max-connections-per-uid)"
+        return None
+
+    def _forget(self, fd: int) -> None:
+        with self._lock:
+            uid = self._uid_of.pop(fd, None)
+            if uid is not None:
+                self._by_uid[uid] -= 1
+                if not self._by_uid[uid]:
+                    del self._by_uid[uid]

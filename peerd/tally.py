@@ -1,0 +1,39 @@
+"""Counting what the daemon turns away, with a log that a flood cannot flood.
+
+Each refusal is counted at once (``peerd status`` shows the totals) and
+logged in a summary at most once per interval: a client that provokes a
+thousand refusals a second costs one log line per cause per interval, not a
+thousand.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+LOG_EVERY_S = 10.0
+
+
+class Tally:
+    def __init__(self, logger: logging.Logger, what: str):
+        self.total = 0
+        self._log = logger
+        self._what = what  # e.g. "shut down %d connection(s)"
+        self._pending: Counter[str] = Counter()  # cause -> count not yet logged
+        self._next_log = 0.0
+
+    def add(self, cause: str) -> None:
+        self.total += 1
+        self._pending[cause] += 1
+        self.flush()
+
+    def flush(self) -> None:
+        """Log what was counted since the last summary, if one is due."""
+        now = time.monotonic()
+        if not self._pending or now < self._next_log:
+            return
+        self._next_log = now + LOG_EVERY_S
+        for cause, n in sorted(self._pending.items()):
+            self._log.warning(f"{self._what}: %s", n, cause)
+        self._pending.clear()

@@ -1,0 +1,160 @@
+"""Hostile local clients, one per process, for tests/integration/test_flood.py and bench/flood.py.
+
+    python tests/flooders.py KIND --socket PATH [--as-user UID:GID[:GIDS]] [--count N]
+
+Each prints one line, ``READY {json}``, once its flood is in place (or under
+way), then keeps it up until it is killed:
+
+  idle     --count raw connections, opened as fast as the daemon accepts them, held idle
+  partial  --count connections, each announcing a 1 MiB frame and sending all of it but one byte
+  ls       one connection that reads nothing (receive high-water mark 1) and sends --count `ls`
+  hello    one connection sending `hello` in a tight loop, reading nothing
+  sets     holds --count one-rank buffer sets of one group, key and names of the longest
+           length allowed (protocol.MAX_KEY_CHARS), through one pipelined connection
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import struct
+import sys
+import time
+
+import msgpack
+import zmq
+
+#: ZMTP 3.0, NULL mechanism, as a DEALER: the greeting and the READY command
+GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + bytes(32)
+_READY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+READY = bytes([0x04, len(_READY)]) + _READY
+PARTIAL_BYTES = (1 << 20) - 1  # announced; one byte fewer is sent
+
+#: the longest key the daemon takes (protocol.MAX_KEY_CHARS, 128); the group
+#: and every name are this long
+KEY_CHARS = 128
+SETS_GROUP = "g" * KEY_CHARS
+WINDOW = 16  # requests the sets holder has in flight: a client that reads loses none
+
+
+def request(request_id: int, op: str, body: dict) -> bytes:
+    return msgpack.packb({"v": 1, "id": request_id, "op": op, "body": body}, use_bin_type=True)
+
+
+def set_name(i: int) -> str:
+    return f"{i:08d}".ljust(KEY_CHARS, "n")
+
+
+def ready(**facts) -> None:
+    print("READY " + json.dumps(facts), flush=True)
+
+
+def hold() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def idle(args) -> None:
+    held, failed = [], 0
+    for _ in range(args.count):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # blocking: waits while the backlog is full
+        try:
+            conn.connect(args.socket)
+            held.append(conn)
+        except OSError:
+            failed += 1
+            conn.close()
+    ready(connected=len(held), failed=failed)
+    hold()
+
+
+def partial(args) -> None:
+    header = bytes([0x02]) + struct.pack(">Q", PARTIAL_BYTES)  # a long frame, the last of its message
+    body = bytes(PARTIAL_BYTES - 1)
+    held, cut = [], 0
+    for _ in range(args.count):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(args.socket)
+            conn.settimeout(2)
+            conn.sendall(GREETING + READY + header + body)
+            held.append(conn)
+        except OSError:  # the daemon dropped it, at the header or before
+            cut += 1
+            conn.close()
+    ready(sent=len(held), cut=cut)
+    hold()
+
+
+def _dealer(args, **options) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    for option, value in options.items():
+        sock.setsockopt(getattr(zmq, option), value)
+    sock.connect(f"ipc://{args.socket}")
+    return sock
+
+
+def ls(args) -> None:
+    sock = _dealer(args, RCVHWM=1, RCVBUF=4096)
+    for i in range(args.count):
+        sock.send(request(i + 1, "ls", {}))
+    ready(sent=args.count)
+    hold()
+
+
+def hello(args) -> None:
+    sock = _dealer(args)
+    frame = request(1, "hello", {})
+    sock.send(frame)
+    ready()
+    while True:
+        sock.send(frame)
+
+
+def _slot(i: int) -> dict:
+    return {"group": SETS_GROUP, "name": set_name(i), "rank": 0}
+
+
+def sets(args) -> None:
+    sock = _dealer(args)
+    ids = iter(range(1, 2 * args.count + 1))
+    for start in range(0, args.count, WINDOW):  # pipelined, a window at a time: a client that never
+        window = range(start, min(start + WINDOW, args.count))  # reads would get its replies dropped
+        for i in window:
+            sock.send(request(next(ids), "join", {**_slot(i), "npes": 1, "nbytes": 1, "device": "host"}))
+        _expect_ok(sock, len(window))
+        for i in window:
+            sock.send(request(next(ids), "commit", {**_slot(i), "ok": True}))
+        _expect_ok(sock, len(window))
+    ready(sets=args.count)
+    hold()
+
+
+def _expect_ok(sock: zmq.Socket, replies: int) -> None:
+    for _ in range(replies):
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["ok"], reply
+
+
+KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it first")
+    args = parser.parse_args()
+    if args.as_user:
+        uid, gid, *extra = args.as_user.split(":")
+        os.setgroups([int(g) for g in extra[0].split(",")] if extra and extra[0] else [])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
+    KINDS[args.kind](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
