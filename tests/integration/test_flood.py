@@ -55,7 +55,8 @@ def procs():
 
 def start_daemon(procs: list, socket_dir: str, *args: str, nofile: int | None = None) -> Daemon:
     """A root daemon whose socket group holds the three users; with nofile, under RLIMIT_NOFILE nofile:nofile."""
-    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+    os.chmod(socket_dir, 0o755)  # the daemon creates its own directory inside, which the users may enter
+    d = Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log",
                args=("--socket-group", SOCKET_GROUP, *args))
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
     d.proc = subprocess.Popen(
@@ -164,7 +165,9 @@ def test_ls_and_evict_page_through_thousands_of_sets_with_the_longest_keys(procs
     assert human.returncode == 0 and len(human.stdout.splitlines()) == SETS + 1, human.stderr
     evicted = d.cli("evict", SETS_GROUP, "--yes", timeout=300)
     assert evicted.returncode == 0, evicted.stderr
-    assert evicted.stdout.splitlines() == [f"evicted group={SETS_GROUP} name={set_name(i)}" for i in range(SETS)]
+    owner = pwd.getpwnam(FLOODER).pw_uid
+    assert evicted.stdout.splitlines() == [f"evicted group={SETS_GROUP} name={set_name(i)} of uid {owner}"
+                                           for i in range(SETS)]
     assert evicted.stderr.count("WARNING") == SETS
     assert json.loads(d.cli("ls", "--json").stdout) == []
     holder.kill()
