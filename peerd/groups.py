@@ -38,6 +38,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from .backends.allocation import Allocation
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.groups")
@@ -69,17 +70,6 @@ Outbox = list[Send]
 
 def _fail(caller: Caller, code: ErrorCode, message: str) -> Send:
     return Send(caller, error=ProtocolError(code, message))
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """What a backend returns for one rank's buffer; opaque ``token`` is its own."""
-
-    backend: str
-    handle: bytes
-    size: int
-    device: str
-    token: Any = None
 
 
 Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)

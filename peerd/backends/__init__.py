@@ -19,7 +19,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..groups import Allocation
+from .allocation import Allocation
 from ..protocol import ErrorCode, ProtocolError
 
 BACKENDS = ("host", "cuda", "hip")
