@@ -27,7 +27,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from .groups import Limits
+from .quotas import Limits
 from .paths import default_socket
 from .protocol import MAX_FRAME_BYTES
 
