@@ -169,7 +169,8 @@ class SetIndex:
     # ------------------------------------------------------------ what tp_agree asks of the sets
 
     def pids_holding_rank(self, uid: int | None, group: str, rank: int) -> set[int]:
-        """Pids holding ``rank`` in a set of the group: the only ones who may vote for it in tp_agree."""
+        """Pids holding ``rank`` in a set of the group, retired ones too (see Note [Retired sets]):
+        the only ones who may vote for it in tp_agree."""
         return {
             slot.pid
             for bset in self.of_group(uid, group)
