@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .groups import Registry, State
+from .buffersets import State
+from .registry import Registry
 
 NEARLY = 0.9  # a limit counts as nearly reached at 90 %
 
@@ -23,14 +24,14 @@ def problems(registry: Registry, devices: list[dict[str, Any]], now: float) -> l
     sets = registry.all_sets()
     for b in sets:
         age = now - b.created
-        holders = sorted(s.pid for s in b.holders())
+        holders = sorted(s.pid for s in b.holding_slots())
         if b.state in (State.JOINING, State.OPENING) and age > patience:
             found.append(f"{b.label} has been {b.state.value} for {age:.0f}s, past its timeouts")
         elif b.state is State.FAILED and holders and age > patience:
             found.append(f"{b.label} failed {age:.0f}s ago and pids {holders} still hold it (see peerd evict)")
     limits = registry.limits
     if limits.max_groups is not None:
-        held = registry.counted_sets()
+        held = registry.sets_counted_toward_max_groups()
         if held >= NEARLY * limits.max_groups:
             found.append(f"{held} buffer sets held of at most {limits.max_groups} (--max-groups)")
     for table, limit, what, flag in (

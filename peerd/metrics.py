@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Hashable
 
-from .groups import Registry, Send
+from .outbox import Send
+from .registry import Registry
 
 OUTCOME_OK = "ok"
 

@@ -26,9 +26,10 @@ from . import __version__
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .health import NEARLY, problems
-from .backends import MemoryBackend
+from .backends import Allocation, MemoryBackend
 from .fdchannel import FdChannelServer
-from .groups import Allocation, Outbox, Registry, Send
+from .outbox import Outbox, Send
+from .registry import Registry
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
 from .metrics import Metrics
@@ -219,9 +220,7 @@ class Daemon:
             return
         self.allowlist = allowlist
         logging.getLogger().setLevel(fresh.log_level.upper())
-        self.registry.limits = fresh.limits
-        self.registry.rendezvous_timeout = fresh.rendezvous_timeout
-        self.registry.agreement_timeout = fresh.agreement_timeout
+        self.registry.configure(fresh.limits, fresh.rendezvous_timeout, fresh.agreement_timeout)
         ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
         self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
         self._guard.limits = self.settings.connection_limits
@@ -231,13 +230,13 @@ class Daemon:
         self._notifier.reloaded(self._summary())
 
     def _summary(self) -> str:
-        sets, held = len(self.registry.all_sets()), self.registry.ranks_held()
+        sets, held = len(self.registry.all_sets()), self.registry.ranks_holding()
         return f"serving {self.socket_path} ({self.backend.name}): {sets} buffer set(s), {held} rank(s) held"
 
     def shutdown(self) -> None:
         log.info("shutting down: failing waiters and freeing every buffer")
         for bset in self.registry.all_sets():
-            holders = ", ".join(f"rank {s.rank} (pid {s.pid})" for s in bset.holders())
+            holders = ", ".join(f"rank {s.rank} (pid {s.pid})" for s in bset.holding_slots())
             if holders:
                 log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
                             "still touch its memory", bset.label, holders)
@@ -294,7 +293,7 @@ class Daemon:
         self._fd_channel.serve(events, now)
         if now >= self._next_tick:
             self._tick(now)
-        if self._drain_until is not None and (now >= self._drain_until or not self.registry.held()):
+        if self._drain_until is not None and (now >= self._drain_until or not self.registry.sets_held()):
             self._stopping = True
 
     def _tick(self, now: float) -> None:
@@ -492,7 +491,7 @@ class Daemon:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "devices": devices,
             "groups": len(self.registry.all_sets()),
-            "ranks_held": self.registry.ranks_held(),
+            "ranks_held": self.registry.ranks_holding(),
             "bytes_allocated": sum(self.registry.bytes_by_device.values()),
             "agreements_pending": len(self.registry.agreements),
             "clients_watched": len(self._watcher.fds),

@@ -34,7 +34,7 @@ from .connections import (
     ConnectionLimits,
     default_max_connections,
 )
-from .groups import Limits
+from .quotas import Limits
 from .paths import default_socket
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,

@@ -8,6 +8,10 @@ in one module so that the handle format is defined in one place. Where a
 handle alone cannot open memory (host memfds), the daemon passes the memory
 itself as fds over its fd channel (peerd.fdchannel), to members only.
 
+A backend returns each buffer as an ``Allocation`` (peerd.backends.allocation,
+re-exported here), a plain record: importing this package for a mapper loads
+nothing of the daemon's registry.
+
 Backends import their GPU libraries only when chosen: the daemon never
 imports torch, and a host-only machine needs neither cuda-bindings nor
 hip-python.
@@ -19,7 +23,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..groups import Allocation
+from .allocation import Allocation
 from ..protocol import ErrorCode, ProtocolError
 
 BACKENDS = ("host", "cuda", "hip")

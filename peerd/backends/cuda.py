@@ -24,7 +24,7 @@ import ctypes
 import logging
 from typing import Any
 
-from ..groups import Allocation
+from .allocation import Allocation
 from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
 from . import GPU_GRANULE, BackendUnavailable, MemoryBackend, out_of_memory, round_up

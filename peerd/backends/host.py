@@ -17,7 +17,7 @@ import fcntl
 import mmap
 import os
 
-from ..groups import Allocation
+from .allocation import Allocation
 from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
 from . import MemoryBackend, round_up

@@ -261,7 +261,7 @@ def test_ranks_that_close_while_the_daemon_is_stopped_are_released_once_it_resum
 
 
 def test_pipelined_agreement_votes_are_refused_past_the_caps_and_the_daemon_stays_small(socket_dir):
-    from peerd.groups import MAX_AGREEMENTS_PER_UID, MAX_RUN_AHEAD
+    from peerd.quotas import MAX_AGREEMENTS_PER_UID, MAX_RUN_AHEAD
 
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
                args=("--agreement-timeout", "600")).start()

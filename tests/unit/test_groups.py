@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from peerd import groups
-from peerd.groups import MAX_RUN_AHEAD, Allocation, Limits, Registry, State
+from peerd import quotas
+from peerd.backends import Allocation
+from peerd.buffersets import State
+from peerd.quotas import MAX_RUN_AHEAD, Limits
+from peerd.registry import Registry
 from peerd.protocol import ErrorCode, ProtocolError
 
 
@@ -359,8 +362,8 @@ def test_a_rank_may_run_only_a_few_rounds_ahead(reg):
 
 
 def test_one_uid_keeps_a_bounded_number_of_agreements_and_open_rounds(reg, monkeypatch):
-    monkeypatch.setattr(groups, "MAX_AGREEMENTS_PER_UID", 3)
-    monkeypatch.setattr(groups, "MAX_PENDING_ROUNDS_PER_UID", 4)
+    monkeypatch.setattr(quotas, "MAX_AGREEMENTS_PER_UID", 3)
+    monkeypatch.setattr(quotas, "MAX_PENDING_ROUNDS_PER_UID", 4)
     vote = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
     for g in range(3):
         assert reg.agree(("c", g), 100, {**vote, "group": f"g{g}"}, 0.0, uid=5) == []
@@ -441,7 +444,7 @@ def test_finished_waits_leave_no_timers_behind(reg, mem):
         live_set(reg)
         release(reg, 0), release(reg, 1)
         agree(reg, 0), agree(reg, 1)
-    assert reg._checks == {} and len(reg._timers) <= 64, "timers of finished waits are dropped"
+    assert reg._timers._checks == {} and len(reg._timers._heap) <= 64, "timers of finished waits are dropped"
     assert mem.live == {} and reg.sets == {}
 
 
@@ -456,7 +459,7 @@ def test_a_rank_releasing_before_it_voted_fails_the_others_at_once(reg):
 def test_single_rank_sets_leave_no_timers(reg):
     for _ in range(100):
         join(reg, 0, npes=1), commit(reg, 0), release(reg, 0)
-    assert reg._checks == {}
+    assert reg._timers._checks == {}
 
 
 def test_a_late_rank_hears_a_failure_for_as_long_as_the_longest_timeout(reg):
@@ -476,7 +479,7 @@ def test_a_failing_free_does_not_strand_the_rest(reg, mem):
             raise RuntimeError("cudaErrorIllegalAddress")
         real_free(allocation)
 
-    reg._free = flaky
+    reg._sets._free = flaky
     for r in range(3):
         release(reg, r)
     assert len(calls) == 3 and reg.sets == {} and reg.bytes_by_device == {}

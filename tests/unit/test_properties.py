@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerd import protocol
-from peerd.groups import Registry
+from peerd.registry import Registry
 from peerd.protocol import ProtocolError
 from tests.unit.test_groups import FakeMemory
 

@@ -1,0 +1,243 @@
+"""tp_agree: the k-th call of each rank of a group is round k, its result the AND.
+
+An agreement is keyed by (owner uid, group), in the caller's own namespace
+like a buffer set. Its members are the ranks that voted, plus the ranks of
+the group that died holding a buffer set: a death before a rank's first vote
+still fails the round it would have voted in, at once instead of by timeout.
+While some pid holds a rank in a buffer set of the group, only that pid may
+vote for the rank (a forked child cannot vote with its parent's rank).
+
+Failure is reported to every waiting rank, never left to a hang: a death or a
+timeout makes the round False, with a reason naming the ranks and pids.
+Agreements are bounded by the caps in ``peerd.quotas``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .buffersets import RankKey, SetIndex
+from .outbox import Caller, Outbox, Send, refuse
+from .protocol import ErrorCode, ProtocolError
+from .quotas import Quotas
+from .rounds import Round
+from .timers import Check, Timers
+
+log = logging.getLogger("peerd.agreements")
+
+
+@dataclass
+class Agreement:
+    """tp_agree's rounds for one group: the k-th call of each rank is round k."""
+
+    group: str
+    npes: int
+    owner_uid: int | None
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid that votes for it
+    calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
+    rounds: dict[int, Round] = field(default_factory=dict)  # numbered without gaps from ``floor``
+    dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
+    floor: int = 1  # the oldest round still kept
+
+    @property
+    def key(self) -> tuple[int | None, str]:
+        return (self.owner_uid, self.group)
+
+    def slowest(self) -> tuple[int, int]:
+        """(rounds entered, rank) of the slowest live member; one not seen yet has entered none."""
+        live = [(self.calls.get(r, 0), r) for r in range(self.npes) if r not in self.dead]
+        return min(live, default=(max(self.calls.values(), default=0), -1))
+
+    def collect(self) -> None:
+        """Forget rounds every live rank has passed; a dead rank passes them all.
+
+        Rounds are numbered without gaps, so only the oldest few are looked at
+        and each is forgotten once: the cost is linear in the rounds played,
+        however many a rank pipelines. With no round left every live rank has
+        made the same number of calls, so the count starts again from zero:
+        nothing grows while a group lives. The members stay known, so a rank
+        that dies between rounds still fails the next round at once instead of
+        leaving its peers to time out.
+        """
+        passed, _ = self.slowest()
+        while self.floor <= passed and self.floor in self.rounds:
+            if self.rounds[self.floor].result is None:
+                break
+            del self.rounds[self.floor]
+            self.floor += 1
+        if not self.rounds:
+            self.calls.clear()
+            self.floor = 1
+
+    def finished(self) -> bool:
+        """Every member it knew of is dead: nobody can still be waiting on it."""
+        return set(self.pids) <= set(self.dead)
+
+    def deaths(self, ranks: list[int]) -> str:
+        return "; ".join(f"rank {r} (pid {self.dead[r]}) died" for r in ranks)
+
+
+class Agreements:
+    """Every agreement the daemon keeps, and tp_agree's rules."""
+
+    def __init__(self, timers: Timers, quotas: Quotas, sets: SetIndex, timeout: float):
+        self._timers = timers
+        self._quotas = quotas
+        self._sets = sets  # asked who holds a rank, and which ranks died holding one
+        self.timeout = timeout
+        self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
+
+    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        group, rank, npes = req["group"], req["rank"], req["npes"]
+        if rank >= npes:
+            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        holders = self._sets.pids_holding_rank(uid, group, rank)
+        if holders and pid not in holders:
+            return [refuse(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} is held by pid "
+                           f"{', '.join(map(str, sorted(holders)))} (a buffer set of it), not pid {pid}: "
+                           "only the process holding a rank may vote for it")]
+        out, agreement = self._agreement_for(caller, pid, uid, group, rank, npes)
+        if agreement is None:
+            return out
+        if agreement.npes != npes:
+            message = f"rank {rank} of group={group} agrees with npes={npes} but the group has npes={agreement.npes}"
+            return out + [refuse(caller, ErrorCode.MISMATCH, message)]
+        owner = agreement.pids.setdefault(rank, pid)
+        if owner != pid:
+            message = f"rank {rank} of group={group} votes from pid {owner}, not {pid}"
+            return out + [refuse(caller, ErrorCode.NOT_MEMBER, message)]
+        k = agreement.calls.get(rank, 0) + 1
+        rnd = agreement.rounds.get(k)
+        if rnd is None:
+            refusal = self._quotas.round_refusal(agreement, rank, k)
+            if refusal:
+                return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
+            rnd = agreement.rounds[k] = Round(npes)
+            timeout = req["timeout"] or self.timeout
+            rnd.on_settle = self._open_round(
+                uid, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout)
+            )
+        agreement.calls[rank] = k
+        settled = rnd.result is not None
+        if settled:
+            out.append(rnd.answer(caller))
+        else:
+            out += rnd.vote(rank, req["ok"], "", caller)
+            dead = [r for r in rnd.missing() if r in agreement.dead]
+            if dead and rnd.result is None:
+                out += rnd.finish(False, agreement.deaths(dead))
+        if not settled and rnd.result is not None and not rnd.result[0]:
+            log.warning("group=%s agreement round %d: False (%s)", group, k, rnd.result[1])
+        self._collect(agreement)
+        return out
+
+    def _agreement_for(
+        self, caller: Caller, pid: int, uid: int | None, group: str, rank: int, npes: int
+    ) -> tuple[Outbox, Agreement | None]:
+        """The group's agreement, started if need be; None (and the refusal) when uid keeps too many."""
+        agreement = self.kept.get((uid, group))
+        out: Outbox = []
+        if agreement is not None and agreement.dead.get(rank, pid) != pid:
+            # a new process takes a dead rank's place: the old rounds are over
+            reason = agreement.deaths([rank]) + f"; pid {pid} took its place"
+            for rnd in agreement.rounds.values():
+                if rnd.result is None:
+                    out += rnd.finish(False, reason)
+            self._drop(agreement)
+            agreement = None
+        if agreement is not None:
+            return out, agreement
+        refusal = self._quotas.agreements_refusal(uid, group)
+        if refusal:
+            return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)], None
+        agreement = self.kept[(uid, group)] = Agreement(group, npes, uid)
+        self._quotas.count_agreement(uid, 1)
+        for dead_rank, dead_pid in self._sets.ranks_died_holding(uid, group).items():
+            if dead_rank != rank and dead_rank < npes:
+                agreement.pids[dead_rank] = agreement.dead[dead_rank] = dead_pid
+        return out, agreement
+
+    def _open_round(self, uid: int | None, deadline: float, check: Check) -> Callable[[], None]:
+        """Count one more round open for ``uid`` and time it; what to call once it settles."""
+        timer = self._timers.at(deadline, check)
+        self._quotas.count_open_round(uid, 1)
+
+        def settled() -> None:
+            self._timers.cancel(timer)
+            self._quotas.count_open_round(uid, -1)
+
+        return settled
+
+    def _drop(self, agreement: Agreement) -> None:
+        if self.kept.get(agreement.key) is agreement:
+            del self.kept[agreement.key]
+            self._quotas.count_agreement(agreement.owner_uid, -1)
+            for rnd in agreement.rounds.values():
+                rnd.abandon()
+
+    def _round_due(self, agreement: Agreement, k: int, timeout: float) -> Outbox:
+        rnd = agreement.rounds.get(k)
+        if rnd is None or rnd.result is not None:
+            return []
+        reason = (
+            f"agreement round {k} of group={agreement.group} timed out after {timeout:g}s "
+            f"waiting for rank(s) {rnd.missing()}"
+        )
+        log.warning("%s", reason)
+        out = rnd.finish(False, reason)
+        self._collect(agreement)
+        return out
+
+    def _collect(self, agreement: Agreement) -> None:
+        agreement.collect()
+        if agreement.finished():
+            self._drop(agreement)
+
+    def evict(self, group: str, uid: int | None) -> Outbox:
+        """Drop the group's agreements (of ``uid`` only, unless None); their pending rounds are False."""
+        out: Outbox = []
+        for agreement in list(self.kept.values()):
+            if agreement.group != group or (uid is not None and agreement.owner_uid != uid):
+                continue
+            self._drop(agreement)
+            for rnd in agreement.rounds.values():
+                if rnd.result is None:
+                    out += rnd.finish(False, f"group={group} was evicted by an administrator")
+        return out
+
+    def process_died(self, pid: int, held: set[RankKey]) -> Outbox:
+        """Every rank ``pid`` voted for, or ``held`` in a buffer set, died: its pending rounds are False."""
+        ranks = set(held)
+        for agreement in list(self.kept.values()):
+            ranks |= {(agreement.key, r) for r, owner in agreement.pids.items() if owner == pid}
+        out: Outbox = []
+        for key, rank in ranks:
+            agreement = self.kept.get(key)
+            if agreement is not None and agreement.pids.get(rank, pid) == pid:
+                out += self._rank_died(agreement, rank, pid)
+        return out
+
+    def _rank_died(self, agreement: Agreement, rank: int, pid: int) -> Outbox:
+        """Every pending round the dead rank has not voted in is False now."""
+        agreement.pids[rank] = agreement.dead[rank] = pid
+        out: Outbox = []
+        for rnd in agreement.rounds.values():
+            if rnd.result is None and rank not in rnd.votes:
+                out += rnd.finish(False, agreement.deaths([rank]))
+        # a member that exits between rounds is the normal end of a job, not news
+        log.log(logging.WARNING if out else logging.DEBUG, "group=%s rank=%d pid=%d died%s", agreement.group,
+                rank, pid, " while its peers waited in an agreement" if out else "")
+        self._collect(agreement)
+        return out
+
+    def shutdown(self, error: ProtocolError) -> Outbox:
+        """Fail every vote still waiting with ``error``; keep nothing."""
+        out: Outbox = []
+        for agreement in self.kept.values():
+            for rnd in agreement.rounds.values():
+                out += [Send(c, error=error) for c in rnd.waiters.values()]
+        self.kept.clear()
+        self._quotas.forget_agreements()
+        return out

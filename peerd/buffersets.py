@@ -1,0 +1,225 @@
+"""Buffer sets, their slots and their states, and the index that finds them.
+
+A buffer set is one rendezvous of ``npes`` ranks under one key: each rank's
+slot holds its pid and its buffer. Every uid has its own key namespace: a set
+is keyed by (owner uid, group, name), so no user can block, join or even see
+another user's group of the same name (root's workers join root's namespace
+like anyone else).
+
+A set's state changes only through ``BufferSet.move``, which checks it
+against ``TRANSITIONS``: an illegal change is a bug in the rules and raises.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backends.allocation import Allocation
+from .outbox import Caller
+from .protocol import ProtocolError
+from .rounds import Round
+
+
+RankKey = tuple[tuple["int | None", str], int]  # ((owner uid, group), rank): a rank of a group
+
+
+class State(str, enum.Enum):
+    JOINING = "joining"  # waiting for every rank to join
+    OPENING = "opening"  # handles sent; waiting for every rank's commit vote
+    LIVE = "live"  # every rank mapped every peer
+    FAILED = "failed"  # failed; the reason is kept for ranks that ask later
+
+
+#: The state changes a buffer set may make. A failed set may fail again: an
+#: administrator evicts it, and the eviction is the verdict its holders hear.
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.JOINING: frozenset({State.OPENING, State.FAILED}),
+    State.OPENING: frozenset({State.LIVE, State.FAILED}),
+    State.LIVE: frozenset({State.FAILED}),
+    State.FAILED: frozenset({State.FAILED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A rule tried a state change the life of a buffer set does not have."""
+
+
+@dataclass
+class Slot:
+    """One rank's place in a set: who joined it and the buffer allocated for it."""
+
+    rank: int
+    pid: int
+    uid: int | None
+    device: str
+    allocation: Allocation | None
+    joined_at: float
+    held: bool = True  # its rank holds the set, from its join until its release or death
+    dead: bool = False  # its process died (which also dropped its hold)
+    waiter: Caller | None = None  # the join reply still owed
+
+
+@dataclass
+class BufferSet:
+    id: int
+    group: str
+    name: str
+    npes: int
+    nbytes: int
+    flags: int
+    created: float
+    owner_uid: int | None  # the namespace it lives in: the uid of the ranks that join it
+    state: State = State.JOINING
+    slots: dict[int, Slot] = field(default_factory=dict)
+    commit: Round | None = None
+    failure: ProtocolError | None = None
+    told: set[int] = field(default_factory=set)  # ranks that have heard the failure
+    timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers
+    patience: float = 0.0  # the longest rendezvous timeout a rank asked for
+
+    @property
+    def label(self) -> str:
+        return f"group={self.group} name={self.name}"
+
+    @property
+    def key(self) -> tuple[int | None, str, str]:
+        return (self.owner_uid, self.group, self.name)
+
+    def move(self, to: State, failure: ProtocolError | None = None) -> None:
+        """Change state, if the life of a set allows it; a failed set keeps ``failure`` as its verdict."""
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.label}: {self.state.value} -> {to.value}")
+        if (to is State.FAILED) != (failure is not None):
+            raise IllegalTransition(f"{self.label}: a set fails with a verdict, and only a failed set has one")
+        self.state = to
+        if failure is not None:
+            self.failure = failure
+
+    def holding_slots(self) -> list[Slot]:
+        """The slots whose rank still holds the set: while there is one, its memory stays."""
+        return [s for s in self.slots.values() if s.held]
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.npes) if r not in self.slots]
+
+    def who(self, ranks: list[int] | None = None) -> str:
+        slots = [self.slots[r] for r in (ranks if ranks is not None else sorted(self.slots))]
+        return ", ".join(f"rank {s.rank} (pid {s.pid})" for s in slots) or "none"
+
+
+# Note [Retired sets]
+# ~~~~~~~~~~~~~~~~~~~
+# A key has at most one current set. A new rendezvous of a key whose previous
+# set some rank still holds (a rank released and starts over while its peers
+# still map the old buffers) retires the old set: it leaves the key, so the
+# new rendezvous can take it, but lives on in ``retired`` until its last
+# holder lets go, and only then is its memory freed. A retired set is still a
+# set of its group: a member's release, commit or fd request finds the set in
+# which that pid holds the rank, current or retired, and a rank of a retired
+# set still votes for its group in tp_agree.
+
+
+class SetIndex:
+    """Every buffer set: the current one of each key, the retired ones, and both by group.
+
+    See Note [Retired sets].
+    """
+
+    def __init__(self) -> None:
+        self.current: dict[tuple[int | None, str, str], BufferSet] = {}  # the current set of each (uid, group, name)
+        self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
+        self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
+
+    def add(self, bset: BufferSet) -> None:
+        """``bset`` is its key's current set now."""
+        self.current[bset.key] = bset
+        self._by_group.setdefault((bset.owner_uid, bset.group), {})[bset.id] = bset
+
+    def retire(self, bset: BufferSet) -> None:
+        """A new set takes the key; the old one lives until its last holder lets go. See Note [Retired sets]."""
+        del self.current[bset.key]
+        if bset.holding_slots():
+            self.retired[bset.id] = bset
+        else:
+            self._unindex(bset)
+
+    def remove(self, bset: BufferSet) -> None:
+        """Drop a set from every table it is in."""
+        if self.current.get(bset.key) is bset:
+            del self.current[bset.key]
+        self.retired.pop(bset.id, None)
+        self._unindex(bset)
+
+    def _unindex(self, bset: BufferSet) -> None:
+        named = self._by_group.get((bset.owner_uid, bset.group), {})
+        named.pop(bset.id, None)
+        if not named:
+            self._by_group.pop((bset.owner_uid, bset.group), None)
+
+    def of_group(self, uid: int | None, group: str) -> list[BufferSet]:
+        """Every set, current or retired, of one group of one uid's namespace."""
+        return list(self._by_group.get((uid, group), {}).values())
+
+    def all(self) -> list[BufferSet]:
+        # list() copies of dict values: atomic under the GIL, so the metrics thread may call it
+        return list(self.current.values()) + list(self.retired.values())
+
+    # ------------------------------------------------------------ what tp_agree asks of the sets
+
+    def pids_holding_rank(self, uid: int | None, group: str, rank: int) -> set[int]:
+        """Pids holding ``rank`` in a set of the group, retired ones too (see Note [Retired sets]):
+        the only ones who may vote for it in tp_agree."""
+        return {
+            slot.pid
+            for bset in self.of_group(uid, group)
+            if (slot := bset.slots.get(rank)) is not None and slot.held and not slot.dead
+        }
+
+    def ranks_died_holding(self, uid: int | None, group: str) -> dict[int, int]:
+        """rank -> pid of the group's ranks that died holding a set: members of its agreement too."""
+        return {
+            slot.rank: slot.pid for bset in self.of_group(uid, group) for slot in bset.slots.values() if slot.dead
+        }
+
+    # ------------------------------------------------------------ counts and listing
+
+    def sets_held(self) -> int:
+        """Buffer sets some rank still holds: the ones a draining daemon waits for."""
+        return sum(1 for b in self.all() if b.holding_slots())
+
+    def ranks_holding(self) -> int:
+        """Ranks holding a set, over every set."""
+        return sum(len(b.holding_slots()) for b in self.all())
+
+    def sets_counted_toward_max_groups(self) -> int:
+        """Buffer sets that count against --max-groups: all but failed ones nobody holds (kept verdicts)."""
+        return sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in self.all())
+
+    def listing(self, now: float, uid: int | None, every: bool) -> list[dict[str, Any]]:
+        """One entry per buffer set of ``uid``'s namespace (of every one if ``every``), sorted by group, name, uid."""
+        shown = [b for b in self.all() if every or b.owner_uid == uid]
+        shown.sort(key=lambda b: (b.group, b.name, -1 if b.owner_uid is None else b.owner_uid, b.id))
+        return [
+            {
+                "group": b.group,
+                "uid": b.owner_uid,
+                "name": b.name,
+                "state": b.state.value,
+                "npes": b.npes,
+                "joined": sorted(b.slots),
+                "held": sorted(s.rank for s in b.holding_slots()),
+                "pids": {str(r): s.pid for r, s in sorted(b.slots.items())},
+                "nbytes": b.nbytes,
+                "bytes_allocated": sum(s.allocation.size for s in b.slots.values() if s.allocation),
+                "age_s": round(now - b.created, 3),
+                "failure": b.failure.message if b.failure else None,
+            }
+            for b in shown
+        ]
+
+    def clear(self) -> None:
+        self.current.clear()
+        self.retired.clear()
+        self._by_group.clear()

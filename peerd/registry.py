@@ -1,0 +1,181 @@
+"""The daemon's rules of rendezvous, agreement and release, as a pure state machine.
+
+No sockets, no memory, no clock: every op takes ``now`` and returns an outbox
+of ``Send``s, the replies the daemon must deliver (``peerd.outbox``). Memory
+is reached only through the ``allocate`` and ``free`` callables given at
+construction, so the unit tests drive every rule with fakes.
+
+``Registry`` is a thin facade: it builds the parts and offers the ops the
+daemon calls. Each part has one job: ``peerd.rendezvous`` the life of a
+buffer set (``peerd.buffersets`` the sets and their index),
+``peerd.agreements`` tp_agree, ``peerd.quotas`` every limit, ``peerd.timers``
+the deadlines, ``peerd.rounds`` one vote.
+
+Every uid has its own key namespace (see ``peerd.buffersets``). Only the
+administrators (root and the daemon's uid) see every namespace, in
+``listing`` and ``evict``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .agreements import Agreement, Agreements
+from .buffersets import BufferSet
+from .outbox import Caller, Outbox
+from .protocol import ErrorCode, ProtocolError
+from .quotas import Limits, Quotas
+from .rendezvous import Allocate, Free, Rendezvous
+from .timers import Timers
+
+
+class Registry:
+    """Every buffer set and agreement the daemon knows, and the rules between them."""
+
+    def __init__(
+        self,
+        allocate: Allocate,
+        free: Free,
+        rendezvous_timeout: float = 60.0,
+        agreement_timeout: float = 60.0,
+        limits: Limits = Limits(),
+        admins: frozenset[int] = frozenset({0}),
+    ):
+        self.admins = admins  # uids that see and evict every uid's groups
+        self._timers = Timers()
+        self._quotas = Quotas(limits)
+        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, rendezvous_timeout, agreement_timeout)
+        self._agreements = Agreements(self._timers, self._quotas, self._sets.index, agreement_timeout)
+
+    def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:
+        """New limits and default timeouts (SIGHUP): for what comes next; running waits keep their deadlines."""
+        self._quotas.limits = limits
+        self._sets.rendezvous_timeout = rendezvous_timeout
+        self._sets.commit_timeout = agreement_timeout
+        self._agreements.timeout = agreement_timeout
+
+    # ------------------------------------------------------------ ops
+
+    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        return self._sets.join(caller, pid, req, now, uid)
+
+    def withdraw(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        return self._sets.withdraw(caller, pid, req, now, uid)
+
+    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        return self._sets.commit(caller, pid, req, now, uid)
+
+    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        return self._sets.release(caller, pid, req, now, uid)
+
+    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        return self._agreements.agree(caller, pid, req, now, uid)
+
+    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None = None) -> BufferSet:
+        """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check."""
+        return self._sets.opened_set(req, pid, uid)
+
+    def evict(self, group: str, name: str | None, uid: int | None = None) -> tuple[Outbox, list[dict[str, Any]]]:
+        """Free a group's buffer sets by force, whoever holds them; fail its waits.
+
+        Every uid's group of that key is evicted, unless ``uid`` narrows it to
+        one namespace. The holders' kernels may still touch the memory: an
+        operator's last resort for a group stuck behind a process that will
+        not let go.
+        """
+        out, evicted = self._sets.evict(group, name, uid)
+        return out + self._agreements.evict(group, uid), evicted
+
+    def process_died(self, pid: int, now: float) -> Outbox:
+        """A client process is gone: fail what waits on it, drop what it held."""
+        out, ranks = self._sets.process_died(pid, now)
+        return out + self._agreements.process_died(pid, ranks)
+
+    def drain(self) -> Outbox:
+        """The daemon is stopping: fail every rendezvous still waiting; live sets may finish."""
+        return self._sets.drain()
+
+    def shutdown(self) -> Outbox:
+        """Fail every wait, free every buffer: the daemon is going away."""
+        error = ProtocolError(ErrorCode.SHUTTING_DOWN, "the peerd daemon is shutting down")
+        out = self._sets.shutdown(error) + self._agreements.shutdown(error)
+        self._timers.clear()
+        return out
+
+    def expire(self, now: float) -> Outbox:
+        """Fail every wait whose deadline has passed."""
+        return self._timers.expire(now)
+
+    def next_deadline(self) -> float | None:
+        """When expire() next has work."""
+        return self._timers.next_deadline()
+
+    # ------------------------------------------------------------ inspection (status, health, metrics, ls)
+
+    def listing(self, now: float, uid: int | None) -> list[dict[str, Any]]:
+        """What `peerd ls` shows ``uid``: one entry per buffer set of its namespace
+        (of every namespace for an administrator), sorted by group, name and uid."""
+        return self._sets.index.listing(now, uid, every=uid in self.admins)
+
+    def all_sets(self) -> list[BufferSet]:
+        return self._sets.index.all()
+
+    def sets_held(self) -> int:
+        """Buffer sets some rank still holds."""
+        return self._sets.index.sets_held()
+
+    def ranks_holding(self) -> int:
+        """Ranks holding a buffer set, over every set."""
+        return self._sets.index.ranks_holding()
+
+    def sets_counted_toward_max_groups(self) -> int:
+        """Buffer sets that count against --max-groups: all but failed ones nobody holds."""
+        return self._sets.index.sets_counted_toward_max_groups()
+
+    @property
+    def limits(self) -> Limits:
+        return self._quotas.limits
+
+    @property
+    def rendezvous_timeout(self) -> float:
+        return self._sets.rendezvous_timeout
+
+    @property
+    def agreement_timeout(self) -> float:
+        return self._agreements.timeout
+
+    @property
+    def rank_deaths(self) -> int:
+        """Processes that died holding a rank of a buffer set."""
+        return self._sets.rank_deaths
+
+    @property
+    def bytes_by_uid(self) -> dict[int | None, int]:
+        return self._quotas.bytes_by_uid
+
+    @property
+    def bytes_by_device(self) -> dict[str, int]:
+        return self._quotas.bytes_by_device
+
+    @property
+    def sets(self) -> dict[tuple[int | None, str, str], BufferSet]:
+        """The current set of each (uid, group, name)."""
+        return self._sets.index.current
+
+    @property
+    def retired(self) -> dict[int, BufferSet]:
+        """Superseded sets still held by some rank. See Note [Retired sets]."""
+        return self._sets.index.retired
+
+    @property
+    def agreements(self) -> dict[tuple[int | None, str], Agreement]:
+        """The agreements kept, by (uid, group)."""
+        return self._agreements.kept
+
+    @property
+    def agreements_by_uid(self) -> dict[int | None, int]:
+        return self._quotas.agreements_by_uid
+
+    @property
+    def open_rounds_by_uid(self) -> dict[int | None, int]:
+        return self._quotas.open_rounds_by_uid

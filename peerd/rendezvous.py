@@ -1,0 +1,454 @@
+"""The rules of a buffer set's life: rendezvous, commit vote, release, failure.
+
+Who owns what (the memory note): the daemon allocates each rank's buffer when
+that rank joins and is the only one that frees it. A rank *holds* the whole
+buffer set from its join until its release or its death. Memory is freed
+only when no rank holds the set any more, so a rank that exits can never pull
+memory from under a peer's kernel. A set that fails before its handles went
+out is freed at once: nobody can have mapped it.
+
+Failure is reported to every waiting rank, never left to a hang: a mismatch,
+an allocation failure, a timeout or a death fails the whole rendezvous, with
+a message naming the ranks and pids involved.
+
+Memory is reached only through the ``allocate`` and ``free`` callables given
+at construction, so the unit tests drive every rule with fakes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .backends.allocation import Allocation
+from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
+from .outbox import Caller, Outbox, Send, refuse
+from .protocol import ErrorCode, ProtocolError
+from .quotas import Quotas
+from .rounds import Round
+from .timers import Timers
+
+log = logging.getLogger("peerd.rendezvous")
+
+Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
+Free = Callable[[Allocation], None]
+
+SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
+
+
+# Note [Failure verdicts are kept]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A failed set keeps its verdict for the ranks that have not heard it, so a
+# rank that arrives late learns the failure instead of starting a new
+# rendezvous that would wait for peers who already gave up. How long:
+#
+#   - a failed set some rank still holds keeps its verdict until its last
+#     holder lets go (its memory goes then), unless a new rendezvous of its
+#     key retires it first (see Note [Retired sets]);
+#   - a failed set nobody holds is forgotten once every rank was told, or
+#     else 2 x max(the daemon's rendezvous timeout, the longest timeout a rank
+#     of the set asked for) after it failed (after it was created, where the
+#     failure came with no time: a commit timeout, an eviction), so a rank
+#     still coming within its own timeout hears it, and the key is free again
+#     after that. Such a set does not count against --max-groups.
+
+
+class Rendezvous:
+    """Every buffer set's rules; the sets themselves live in ``index``."""
+
+    def __init__(
+        self,
+        allocate: Allocate,
+        free: Free,
+        timers: Timers,
+        quotas: Quotas,
+        rendezvous_timeout: float,
+        agreement_timeout: float,
+    ):
+        self._allocate = allocate
+        self._free = free
+        self._timers = timers
+        self._quotas = quotas
+        self.rendezvous_timeout = rendezvous_timeout
+        self.commit_timeout = agreement_timeout  # a commit vote is an agreement among the set's ranks
+        self.index = SetIndex()
+        self.rank_deaths = 0  # processes that died holding a rank of a buffer set
+        self._ids = 0
+
+    # ------------------------------------------------------------ join and withdraw
+
+    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        rank, npes = req["rank"], req["npes"]
+        if rank >= npes:
+            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        refusal = self._quotas.shape_refusal(req)
+        if refusal:
+            return [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
+        bset, out = self._set_to_join(caller, pid, (uid, req["group"], req["name"]), req, now)
+        if bset is None:
+            return out
+        return self._take_slot(bset, caller, pid, uid, req, now)
+
+    def _set_to_join(
+        self, caller: Caller, pid: int, key: SetKey, req: dict[str, Any], now: float
+    ) -> tuple[BufferSet | None, Outbox]:
+        """The set ``rank`` joins, or the replies that end its join here."""
+        rank = req["rank"]
+        bset = self.index.current.get(key)
+        if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
+            return None, [self._tell_failure(bset, rank, caller)]
+        if bset is not None and bset.state is not State.JOINING:
+            refused = self._supersede(bset, rank, caller, "; close that PeerBuffer first, or pass another name=")
+            if refused:
+                return None, [refused]
+            bset = None
+        if bset is None:
+            refusal = self._quotas.sets_refusal(self.index.sets_counted_toward_max_groups(), key[1], key[2])
+            if refusal:
+                return None, [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
+            return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
+        problem = self._mismatch(bset, req)
+        if problem:
+            bset.told.add(rank)
+            return None, self._fail(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
+        taken = bset.slots.get(rank)
+        if taken is not None:
+            message = f"rank {rank} of {bset.label} was already joined by pid {taken.pid}"
+            return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
+        return bset, []
+
+    def _take_slot(
+        self, bset: BufferSet, caller: Caller, pid: int, uid: int | None, req: dict[str, Any], now: float
+    ) -> Outbox:
+        """Allocate ``rank``'s buffer within its uid's and device's share; open the set once every rank is in."""
+        rank, device = req["rank"], req["device"]
+        refusal = self._quotas.usage_refusal(bset.nbytes, uid, device)
+        if refusal:
+            bset.told.add(rank)
+            message = f"rank {rank} (pid {pid}): {refusal}"
+            return self._fail(bset, ErrorCode.LIMIT_EXCEEDED, message, [caller], now=now)
+        try:
+            allocation = self._allocate(bset.nbytes, device, bset.flags, bset.owner_uid)
+        except ProtocolError as err:
+            bset.told.add(rank)
+            return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
+        self._quotas.charge(uid, allocation.device, allocation.size)
+        bset.slots[rank] = Slot(rank, pid, uid, device, allocation, now, waiter=caller)
+        timeout = req["timeout"] or self.rendezvous_timeout
+        bset.patience = max(bset.patience, timeout)
+        log.info("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
+                 device)
+        if len(bset.slots) < bset.npes:
+            bset.timers.append(self._timers.at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
+            return []
+        return self._open(bset)
+
+    def withdraw(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        """A rank that cannot take part: every rank waiting fails now, ranks still to come on arrival.
+
+        The verdict is a failed set like any other (its rendezvous had no
+        memory yet). See Note [Failure verdicts are kept].
+        """
+        key = (uid, req["group"], req["name"])
+        rank, npes = req["rank"], req["npes"]
+        if rank >= npes:
+            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {req['reason']}"
+        bset = self.index.current.get(key)
+        if bset is not None and bset.state is not State.JOINING:
+            refused = self._supersede(bset, rank, caller, "")
+            if refused:
+                return [refused]
+            bset = None
+        if bset is None:
+            kept = sum(b.owner_uid == uid for b in self.index.current.values())
+            if self._quotas.sets_refusal(kept, key[1], key[2]):
+                return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
+            bset = self._new_set(key, npes, 0, 0, now)
+        bset.told.add(rank)
+        return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
+
+    def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str) -> Send | None:
+        """A new rendezvous of a key whose set is past joining: refused while ``rank`` still holds the
+        old set, else the old set retires. See Note [Retired sets]."""
+        held = bset.slots.get(rank)
+        if held is not None and held.held:
+            message = f"rank {rank} of {bset.label} is still held by pid {held.pid}{advice}"
+            return refuse(caller, ErrorCode.RANK_TAKEN, message)
+        self.index.retire(bset)
+        return None
+
+    def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:
+        """A late rank hears a kept verdict. See Note [Failure verdicts are kept]."""
+        bset.told.add(rank)
+        if len(bset.told) == bset.npes:
+            self._forget(bset)
+        return Send(caller, error=bset.failure)
+
+    def _new_set(self, key: SetKey, npes: int, nbytes: int, flags: int, now: float) -> BufferSet:
+        """A rendezvous for ``key``, now the key's current set."""
+        self._ids += 1
+        bset = BufferSet(self._ids, key[1], key[2], npes, nbytes, flags, now, key[0])
+        self.index.add(bset)
+        return bset
+
+    @staticmethod
+    def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
+        diffs = [
+            f"{what}={req[what]} but {bset.who()} joined with {what}={have}"
+            for what, have in (("npes", bset.npes), ("nbytes", bset.nbytes), ("flags", bset.flags))
+            if req[what] != have
+        ]
+        if diffs:
+            return f"rank {req['rank']} of {bset.label} asked for " + "; ".join(diffs)
+        return None
+
+    def _open(self, bset: BufferSet) -> Outbox:
+        """Every rank joined: hand every rank every rank's handle in one reply."""
+        bset.move(State.OPENING)
+        self._timers.cancel(*bset.timers)
+        bset.timers.clear()
+        bset.commit = Round(bset.npes)
+        slots = [bset.slots[r] for r in range(bset.npes)]
+        body = {
+            "backend": slots[0].allocation.backend,
+            "handles": [s.allocation.handle for s in slots],
+            "sizes": [s.allocation.size for s in slots],
+            "devices": [s.device for s in slots],
+        }
+        log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)
+        out = []
+        for s in slots:
+            out.append(Send(s.waiter, body))
+            s.waiter = None
+        return out
+
+    def _rendezvous_due(self, bset: BufferSet, now: float) -> Outbox:
+        if bset.state is not State.JOINING:
+            return []
+        waited = now - min(s.joined_at for s in bset.slots.values())
+        message = (
+            f"rendezvous of {bset.label} timed out after {waited:.1f}s: "
+            f"rank(s) {bset.missing()} of {bset.npes} never joined (joined: {bset.who()})"
+        )
+        return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
+
+    def _fail(
+        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = (), now: float | None = None
+    ) -> Outbox:
+        """Fail a set for every rank waiting on it (and ``extra`` callers). See Note [Failure verdicts are kept]."""
+        error = ProtocolError(code, message)
+        log.warning("%s failed: %s", bset.label, message)
+        out = [Send(c, error=error) for c in extra]
+        if bset.state is State.JOINING:
+            # nobody has the handles yet, so nobody can have mapped the memory
+            for s in bset.slots.values():
+                if s.waiter is not None:
+                    out.append(Send(s.waiter, error=error))
+                    bset.told.add(s.rank)
+                s.waiter, s.held = None, False
+            self._free_set(bset)
+        elif bset.commit is not None and bset.commit.result is None:
+            out += bset.commit.finish(False, message)
+        bset.move(State.FAILED, error)
+        if not bset.holding_slots():
+            if len(bset.told) == bset.npes:
+                self._forget(bset)
+            else:  # keep the verdict for ranks that join late, then forget it
+                self._timers.cancel(*bset.timers)
+                keep = (now if now is not None else bset.created) + 2 * max(self.rendezvous_timeout, bset.patience)
+                bset.timers[:] = [self._timers.at(keep, lambda t, b=bset: self._forget(b))]
+        return out
+
+    # ------------------------------------------------------------ commit and release
+
+    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        bset, error = self._member_set(req, pid, uid)
+        if error:
+            return [Send(caller, error=error)]
+        if bset.state is State.JOINING:
+            return [refuse(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")]
+        if bset.commit.result is not None:
+            return [bset.commit.answer(caller)]
+        if req["rank"] in bset.commit.votes:
+            return [refuse(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
+        if not bset.commit.votes:
+            timeout = req["timeout"] or self.commit_timeout
+            timer = self._timers.at(now + timeout, lambda t, b=bset: self._commit_due(b, timeout))
+            bset.commit.on_settle = lambda: self._timers.cancel(timer)
+        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
+        if bset.commit.result is not None:
+            ok, reason = bset.commit.result
+            if ok:
+                bset.move(State.LIVE)
+                log.info("%s live: every rank mapped every peer", bset.label)
+            else:
+                bset.move(State.FAILED, ProtocolError(ErrorCode.GROUP_FAILED, reason))
+                log.warning("%s failed its agreement: %s", bset.label, reason)
+        return out
+
+    def _commit_due(self, bset: BufferSet, timeout: float) -> Outbox:
+        if bset.commit is None or bset.commit.result is not None:
+            return []
+        missing = bset.commit.missing()
+        message = (
+            f"agreement of {bset.label} timed out after {timeout:g}s waiting for "
+            f"{bset.who(missing)} to open every peer's handle"
+        )
+        return self._fail(bset, ErrorCode.TIMEOUT, message)
+
+    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+        bset, error = self._member_set(req, pid, uid)
+        if error:
+            return [Send(caller, error=error)]
+        slot = bset.slots[req["rank"]]
+        if bset.state is State.JOINING:
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before every rank joined"
+            return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
+        out: Outbox = []
+        if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
+            out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
+        return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
+
+    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None = None) -> BufferSet:
+        """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
+
+        Raises ProtocolError when there is none (NOT_MEMBER, NOT_FOUND, the set's failure).
+        """
+        bset, error = self._member_set(req, pid, uid)
+        if error:
+            raise error
+        if bset.state not in (State.OPENING, State.LIVE):
+            raise bset.failure or ProtocolError(ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")
+        return bset
+
+    def _member_set(
+        self, req: dict[str, Any], pid: int, uid: int | None
+    ) -> tuple[BufferSet | None, ProtocolError | None]:
+        """The set of ``uid``'s namespace in which ``pid`` holds ``rank``, or why there is none.
+
+        Retired sets count: see Note [Retired sets]. Without one, the key's
+        current set says why: another pid holds the rank, or its kept verdict
+        (see Note [Failure verdicts are kept]).
+        """
+        key, rank = (uid, req["group"], req["name"]), req["rank"]
+        for bset in self.index.of_group(uid, req["group"]):
+            if bset.name != req["name"]:
+                continue
+            slot = bset.slots.get(rank)
+            if slot is not None and slot.held and slot.pid == pid:
+                return bset, None
+        current = self.index.current.get(key)
+        slot = current.slots.get(rank) if current else None
+        if slot is not None and slot.held:
+            return None, ProtocolError(
+                ErrorCode.NOT_MEMBER,
+                f"rank {rank} of group={key[1]} name={key[2]} belongs to pid {slot.pid}, not pid {pid}",
+            )
+        if current is not None and current.failure is not None:
+            return None, current.failure
+        return None, ProtocolError(
+            ErrorCode.NOT_FOUND, f"pid {pid} holds no rank {rank} of group={key[1]} name={key[2]}"
+        )
+
+    def _drop_hold(self, bset: BufferSet, slot: Slot, why: str) -> bool:
+        """Drop one rank's hold; free the set once nobody holds it. True if freed."""
+        slot.held = False
+        holding = len(bset.holding_slots())
+        log.info("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
+        if holding:
+            return False
+        self._free_set(bset)
+        self._forget(bset)
+        return True
+
+    def _free_set(self, bset: BufferSet) -> None:
+        for s in bset.slots.values():
+            if s.allocation is not None:
+                allocation, s.allocation = s.allocation, None
+                self._quotas.charge(s.uid, allocation.device, -allocation.size)
+                try:
+                    self._free(allocation)
+                except Exception:  # a failing driver must not strand the rest of the set
+                    log.exception("%s: freeing rank %d's buffer failed", bset.label, s.rank)
+        log.info("%s freed", bset.label)
+
+    def _forget(self, bset: BufferSet) -> Outbox:
+        """Drop a set nobody holds, and its timers."""
+        if bset.holding_slots():
+            return []
+        self._timers.cancel(*bset.timers)
+        bset.timers.clear()
+        self.index.remove(bset)
+        return []
+
+    # ------------------------------------------------------------ by force, by death, by shutdown
+
+    def evict(self, group: str, name: str | None, uid: int | None) -> tuple[Outbox, list[dict[str, Any]]]:
+        """Free the group's sets by force, whoever holds them, and fail their waits (see Registry.evict)."""
+        out: Outbox = []
+        evicted = []
+        for bset in self.index.all():
+            if bset.group != group or (name is not None and bset.name != name):
+                continue
+            if uid is not None and bset.owner_uid != uid:
+                continue
+            holders = {str(s.rank): s.pid for s in bset.holding_slots()}
+            message = f"{bset.label} was evicted by an administrator"
+            out += self._fail(bset, ErrorCode.GROUP_FAILED, message)
+            for slot in bset.slots.values():
+                slot.held = False
+            self._free_set(bset)
+            self._forget(bset)
+            log.warning("%s of uid %s evicted; pids %s held it and may still touch the freed memory",
+                        bset.label, bset.owner_uid, sorted(holders.values()))
+            evicted.append({"group": bset.group, "name": bset.name, "uid": bset.owner_uid, "holders": holders})
+        return out, evicted
+
+    def process_died(self, pid: int, now: float) -> tuple[Outbox, set[RankKey]]:
+        """Fail what waits on a dead process, drop its holds; the (group, rank)s it held, for tp_agree."""
+        out: Outbox = []
+        ranks: set[RankKey] = set()
+        for bset in self.index.all():
+            for slot in list(bset.slots.values()):
+                if slot.pid != pid or not slot.held:
+                    continue
+                if not ranks:
+                    self.rank_deaths += 1
+                ranks.add(((bset.owner_uid, bset.group), slot.rank))
+                slot.dead = True
+                message = f"rank {slot.rank} (pid {pid}) of {bset.label} died"
+                if bset.state is State.JOINING:
+                    slot.waiter = None
+                    bset.told.add(slot.rank)  # the dead need no verdict
+                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before every rank joined", now=now)
+                    break
+                if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
+                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
+                self._drop_hold(bset, slot, "died")
+        return out, ranks
+
+    def drain(self) -> Outbox:
+        """The daemon is stopping: fail every rendezvous still waiting; live sets may finish."""
+        out: Outbox = []
+        for bset in self.index.all():
+            if bset.state is State.JOINING:
+                out += self._fail(bset, ErrorCode.SHUTTING_DOWN, f"{bset.label}: the peerd daemon is shutting down")
+        return out
+
+    def shutdown(self, error: ProtocolError) -> Outbox:
+        """Fail every wait with ``error`` and free every buffer: the daemon is going away."""
+        out: Outbox = []
+        for bset in self.index.all():
+            for s in bset.slots.values():
+                if s.waiter is not None:
+                    out.append(Send(s.waiter, error=error))
+                    s.waiter = None
+                s.held = False
+            if bset.commit is not None and bset.commit.result is None:
+                out += [Send(c, error=error) for c in bset.commit.waiters.values()]
+                bset.commit.waiters = {}
+            self._free_set(bset)
+        self.index.clear()
+        return out
