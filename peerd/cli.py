@@ -22,6 +22,7 @@ from . import __version__
 from .escape import EscapingFormatter, escape
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
+from .sizes import human
 
 EXIT_DEGRADED = 1
 EXIT_UNREACHABLE = 3
@@ -155,14 +156,6 @@ def _buffer_sets(conn: Any, after: list | None = None) -> Iterator[dict]:
         after = [last["group"], last["name"], -1 if last["uid"] is None else last["uid"]]
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 @main.command()
 @_socket_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -179,14 +172,14 @@ def status(socket_path: str, as_json: bool) -> None:
         click.echo(f"  problem: {escape(problem)}")
     click.echo(
         f"backend {info['backend']}, up {info['uptime_s']:.0f}s, {info['groups']} buffer set(s), "
-        f"{info['ranks_held']} rank(s) held, {_size(info['bytes_allocated'])} allocated, "
+        f"{info['ranks_held']} rank(s) held, {human(info['bytes_allocated'])} allocated, "
         f"client liveness by {info['liveness']}"
     )
     for d in info["devices"]:
         bus = f" {d['pci_bus_id']}" if d.get("pci_bus_id") else ""
         click.echo(
-            f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {_size(d['total_bytes'])} total, "
-            f"daemon footprint {_size(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
+            f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {human(d['total_bytes'])} total, "
+            f"daemon footprint {human(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
     c = info["connections"]
     busiest = ", ".join(f"uid {uid}: {n}" for uid, n in c["top_uids"]) or "none"
@@ -216,7 +209,7 @@ def list_groups(socket_path: str, as_json: bool) -> None:
     if not groups:
         click.echo("no buffer sets")
         return
-    rows = [("GROUP", "NAME", "UID", "RANKS", "BYTES", "STATE", "PIDS", "AGE")]
+    rows = [("GROUP", "NAME", "UID", "RANKS", "SIZE", "HELD", "STATE", "HOLDERS", "AGE")]
     for g in groups:
         rows.append(
             (
@@ -224,15 +217,18 @@ def list_groups(socket_path: str, as_json: bool) -> None:
                 escape(g["name"]),
                 str(g["uid"]),
                 f"{len(g['joined'])}/{g['npes']}",
-                _size(g["nbytes"]),
-                escape(g["state"] + (f" ({g['failure']})" if g["failure"] else "")),
-                ",".join(str(p) for p in g["pids"].values()),
+                human(g["nbytes"]),  # asked for per rank
+                human(g["bytes_allocated"]),  # what the set holds now: 0 B once failed and freed
+                g["state"],
+                ",".join(str(g["pids"][str(r)]) for r in g["held"]) or "-",  # live holders, not the dead
                 f"{g['age_s']:.0f}s",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
+    for row, g in zip(rows, [None, *groups]):
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+        if g is not None and g["failure"]:
+            click.echo(f"    why {g['state']}: {escape(g['failure'])}")
 
 
 @main.command()

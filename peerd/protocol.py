@@ -40,9 +40,9 @@ LS_PAGE_BYTES = 32 << 10
 #: Most ranks one group may have.
 MAX_RANKS = 1024
 
-#: Largest single buffer anyone may ask for (256 TiB: far past any device, so
-#: only absurd values trip it; the daemon's own limits are tighter).
-MAX_NBYTES = 1 << 48
+#: Largest size the wire carries (a signed 64-bit count): the daemon's own
+#: limit (--max-buffer-bytes) is what refuses a size, in words a user can act on.
+MAX_NBYTES = (1 << 63) - 1
 
 #: Longest timeout a caller may ask for, in seconds.
 MAX_TIMEOUT_S = 24 * 3600.0

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable
 
+from .sizes import human
+
 if TYPE_CHECKING:
     from .agreements import Agreement
 
@@ -67,8 +69,8 @@ class Quotas:
         if lim.max_ranks is not None and req["npes"] > lim.max_ranks:
             return f"npes={req['npes']} exceeds the daemon's limit of {lim.max_ranks} ranks per group (--max-ranks)"
         if lim.max_buffer_bytes is not None and req["nbytes"] > lim.max_buffer_bytes:
-            return (f"nbytes={req['nbytes']} exceeds the daemon's limit of {lim.max_buffer_bytes} bytes "
-                    "per buffer (--max-buffer-bytes)")
+            return (f"nbytes={req['nbytes']} ({human(req['nbytes'])}) exceeds the daemon's limit of "
+                    f"{lim.max_buffer_bytes} bytes ({human(lim.max_buffer_bytes)}) per buffer (--max-buffer-bytes)")
         return None
 
     def sets_refusal(self, kept: int, group: str, name: str) -> str | None:

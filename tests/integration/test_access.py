@@ -170,7 +170,8 @@ def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
     try:
         big = run_ranks(d, "join", 2, "--group", "big", "--nbytes", str(2 * MiB), ranks=[0])[0]
         assert big["code"] == "LIMIT_EXCEEDED"
-        assert "nbytes=2097152 exceeds the daemon's limit of 1048576 bytes per buffer" in big["message"]
+        assert ("nbytes=2097152 (2.0 MiB) exceeds the daemon's limit of 1048576 bytes (1.0 MiB) per buffer "
+                "(--max-buffer-bytes)") in big["message"], big
         wide = run_ranks(d, "join", 8, "--group", "wide", ranks=[0])[0]
         assert wide["code"] == "LIMIT_EXCEEDED" and "npes=8 exceeds the daemon's limit of 4 ranks" in wide["message"]
         holders = [start_rank(d, "join", r, 2, "--group", f"g{g}", "--nbytes", str(MiB), "--hold", "60")

@@ -49,3 +49,23 @@ def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_a
     assert peer["code"] == "GROUP_FAILED" and "rank 0" in peer["message"] and "cannot take part" in peer["message"]
     (late,) = run_ranks(daemon, "join", 3, "--group", "nocuda", ranks=[2])  # a peer still to come learns it too
     assert late["code"] == "GROUP_FAILED" and "cannot take part" in late["message"], late
+
+
+def test_a_size_past_the_limit_names_the_daemons_limit_in_human_units(daemon):
+    (result,) = run_ranks(daemon, "join", 1, "--group", "huge", "--nbytes", str(1 << 50))
+    assert result["code"] == "LIMIT_EXCEEDED", result
+    assert ("nbytes=1125899906842624 (1.0 PiB) exceeds the daemon's limit of 17179869184 bytes (16.0 GiB) "
+            "per buffer (--max-buffer-bytes)") in result["message"], result
+
+
+def test_a_failed_set_is_listed_as_failed_holding_nothing_with_its_reason_on_a_line_of_its_own(daemon):
+    first = start_rank(daemon, "join", 0, 3, "--group", "odd", "--nbytes", "4096")
+    wait_until(lambda: "group=odd name=default rank=0" in daemon.logs(), 90, "rank 0 to join")
+    (second,) = run_ranks(daemon, "join", 3, "--group", "odd", "--nbytes", "8192", ranks=[1])
+    assert second["code"] == "MISMATCH" and finish(first)["code"] == "MISMATCH"
+    lines = daemon.cli("ls").stdout.splitlines()
+    header, row, why = lines
+    assert header.split() == ["GROUP", "NAME", "UID", "RANKS", "SIZE", "HELD", "STATE", "HOLDERS", "AGE"]
+    assert " 4.0 KiB  0 B " in row and " failed " in row and row.split()[-2] == "-", row  # SIZE, HELD, no holders
+    assert why.startswith("    why failed: rank 1 of group=odd name=default asked for"), why
+    assert "0 B allocated" in daemon.cli("status").stdout

@@ -298,7 +298,7 @@ def test_shutdown_fails_every_waiter_and_frees_everything(reg, mem):
 def test_limits_refuse_before_allocating(mem):
     limits = Limits(max_buffer_bytes=100, max_bytes_per_uid=150, max_bytes_per_device=None, max_groups=2, max_ranks=4)
     reg = Registry(mem.allocate, mem.free, limits=limits)
-    assert "limit of 100 bytes per buffer" in errors(join(reg, 0, nbytes=101))[("c", 0)].message
+    assert "limit of 100 bytes (100 B) per buffer" in errors(join(reg, 0, nbytes=101))[("c", 0)].message
     assert "limit of 4 ranks per group" in errors(join(reg, 0, npes=5))[("c", 0)].message
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
     reg.join(("u", 0), 100, body, 0.0, uid=7)
