@@ -106,7 +106,7 @@ def test_garbage_on_the_socket_never_stops_the_daemon(daemon):
         {"v": 1, "id": 3, "op": "join", "body": {"group": "g", "name": "n", "rank": -1, "npes": 2,
                                                 "nbytes": 1, "device": "host"}},
         {"v": 1, "id": 4, "op": "join", "body": {"group": "g", "name": "n", "rank": 0, "npes": 2,
-                                                "nbytes": 1 << 64, "device": "host"}},
+                                                "nbytes": 1 << 63, "device": "host"}},
         {"v": 7, "id": 5, "op": "ls", "body": {}},
     ]
     for message in bad:
