@@ -16,7 +16,15 @@ from .registry import Registry
 NEARLY = 0.9  # a limit counts as nearly reached at 90 %
 
 
-def problems(registry: Registry, devices: list[dict[str, Any]], now: float) -> list[str]:
+def problems(registry: Registry, devices: list[dict[str, Any]], now: float, viewer: int | None = None) -> list[str]:
+    """Each reason the daemon is degraded, as ``viewer`` may read it.
+
+    The verdict is the same for every caller (a probe must see degraded), but
+    only an administrator (or None: the daemon's own log and STATUS= line)
+    reads other users' group names, pids and uids; anyone else reads that a
+    set of another user is stuck.
+    """
+    sees_all = viewer is None or viewer in registry.admins
     found = [
         f"device {d['index']} ({d['uuid']}) is unusable: {d['error']}" for d in devices if d.get("error")
     ]
@@ -25,10 +33,12 @@ def problems(registry: Registry, devices: list[dict[str, Any]], now: float) -> l
     for b in sets:
         age = now - b.created
         holders = sorted(s.pid for s in b.holding_slots())
+        label = b.label if sees_all or b.owner_uid == viewer else "a buffer set of another user"
         if b.state in (State.JOINING, State.OPENING) and age > patience:
-            found.append(f"{b.label} has been {b.state.value} for {age:.0f}s, past its timeouts")
+            found.append(f"{label} has been {b.state.value} for {age:.0f}s, past its timeouts")
         elif b.state is State.FAILED and holders and age > patience:
-            found.append(f"{b.label} failed {age:.0f}s ago and pids {holders} still hold it (see peerd evict)")
+            held_by = f"pids {holders}" if sees_all or b.owner_uid == viewer else "its processes"
+            found.append(f"{label} failed {age:.0f}s ago and {held_by} still hold it (see peerd evict)")
     limits = registry.limits
     if limits.max_groups is not None:
         held = registry.sets_counted_toward_max_groups()
@@ -42,5 +52,6 @@ def problems(registry: Registry, devices: list[dict[str, Any]], now: float) -> l
             continue
         for key, used in table.items():
             if used >= NEARLY * limit:
-                found.append(f"{what} {key} holds {used} of at most {limit} bytes ({flag})")
+                who = key if sees_all or what == "device" or key == viewer else "(another user)"
+                found.append(f"{what} {who} holds {used} of at most {limit} bytes ({flag})")
     return found
