@@ -39,7 +39,7 @@ class Memory(MemoryBackend):
                 "index": 0,
                 "uuid": DEVICE,
                 "pci_bus_id": None,
-                "name": "host shared memory (memfd)",
+                "name": "shared memory (memfd)",
                 "total_bytes": os.sysconf("SC_PHYS_PAGES") * mmap.PAGESIZE,
                 "footprint_bytes": 0,
             }
