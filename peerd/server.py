@@ -26,7 +26,7 @@ from . import __version__
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .health import NEARLY, problems
-from .backends import MemoryBackend
+from .backends import AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .groups import Allocation, Outbox, Registry, Send
 from .liveness import POLL_INTERVAL, PidWatcher
@@ -454,10 +454,13 @@ class Daemon:
         return lambda caller, who, body: [Send(caller, build())]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+        """The registry's allocate: the one place where a backend's failure becomes an error code."""
         try:
             return self.backend.allocate(nbytes, device, flags, uid)
-        except ProtocolError:
-            raise
+        except UnknownDevice as err:
+            raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
+        except AllocationFailed as err:
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
         except Exception as err:
             raise ProtocolError(
                 ErrorCode.ALLOCATION_FAILED, f"allocating {nbytes} bytes on {device} failed: {err}"
