@@ -23,6 +23,7 @@ import msgpack
 import zmq
 
 from . import __version__
+from .admission import ACCESS, admit, forbidden
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .health import NEARLY, problems
@@ -110,6 +111,7 @@ class Daemon:
         self._notifier = Notifier()
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
+        self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
@@ -340,7 +342,8 @@ class Daemon:
         if who is None:
             log.warning("dropped a message without kernel credentials (not an ipc peer?)")
             return []
-        if not self.allowlist.allows(who.uid, who.gid, who.pid):
+        allowed = self.allowlist.allows(who.uid, who.gid, who.pid)
+        if not allowed:  # refused before its frame is decoded
             return self._refuse(identity, who, payload.bytes)
         try:
             request = decode_request(payload.bytes)
@@ -350,9 +353,9 @@ class Daemon:
         caller = (identity, request.id)
         if self.metrics is not None:
             self.metrics.received(caller, request.op)
-        if request.op == "join" and self._drain_until is not None:
-            return [Send(caller, error=ProtocolError(
-                ErrorCode.SHUTTING_DOWN, "the peerd daemon is shutting down and takes no new joins"))]
+        refusal = admit(ACCESS[request.op], who, allowed, self._drain_until is not None, self._admins)
+        if refusal is not None:
+            return [Send(caller, error=refusal)]
         try:
             return self._handlers[request.op](caller, who, request.body)
         except Exception as err:  # a bug must cost one request, never the daemon
@@ -388,21 +391,13 @@ class Daemon:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same
             request_id = None
-        return [Send((identity, request_id), error=self._forbidden(who))]
-
-    @staticmethod
-    def _forbidden(who: Credentials) -> ProtocolError:
-        return ProtocolError(
-            ErrorCode.FORBIDDEN,
-            f"uid {who.uid} (gid {who.gid}) may not use this peerd; the operator can allow it "
-            "with --allow-uid or --allow-gid",
-        )
+        return [Send((identity, request_id), error=forbidden(who))]
 
     def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
         """The fd channel's answer: the handles and fds of the set in which pid holds the rank asked for."""
         who = Credentials(uid, gid, pid)
         if not self.allowlist.allows(uid, gid, pid):
-            raise self._forbidden(who)
+            raise forbidden(who)
         bset = self.registry.opened_set(validate_body("release", request), pid, uid)  # a slot, named as release names it
         allocations = [bset.slots[r].allocation for r in range(bset.npes)]
         fds = [self.backend.fd(a) for a in allocations]
@@ -426,10 +421,7 @@ class Daemon:
         return handle
 
     def _evict(self, caller: Any, who: Credentials, body: dict) -> Outbox:
-        """Free a stuck group by force, in every uid's namespace unless one is named: root or the daemon's uid only."""
-        if who.uid not in (0, os.geteuid()):
-            return [Send(caller, error=ProtocolError(
-                ErrorCode.FORBIDDEN, f"only root or uid {os.geteuid()} may evict; uid {who.uid} may not"))]
+        """Free a stuck group by force, in every uid's namespace unless one is named (admins only: see ACCESS)."""
         log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
                     body["name"] or "*", "*" if body["uid"] is None else body["uid"])
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
