@@ -94,9 +94,10 @@ class Daemon:
         self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
         self.backend = backend
+        self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=frozenset({0, os.geteuid()}),
+            admins=self._admins,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -111,7 +112,6 @@ class Daemon:
         self._notifier = Notifier()
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
-        self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
         self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
