@@ -41,3 +41,27 @@ def test_a_bad_reply_names_what_is_wrong(op, body, named):
     with pytest.raises(ProtocolError) as caught:
         check_reply(op, body)
     assert caught.value.code is ErrorCode.BAD_REQUEST and named in caught.value.message
+
+
+def test_the_registrys_replies_fit_their_schemas():
+    """The daemon's side: every reply body the registry builds passes the schema clients check."""
+    from peerd.groups import Registry
+    from tests.unit.test_groups import FakeMemory, agree, bodies, commit, join, release
+
+    mem = FakeMemory()
+    reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)
+    replies = {
+        "join": bodies(join(reg, 0, npes=1)),
+        "commit": bodies(commit(reg, 0)),
+        "release": bodies(release(reg, 0)),
+        "agree": bodies(agree(reg, 0, npes=1)),
+    }
+    join(reg, 0, npes=2)
+    replies["withdraw"] = bodies(reg.withdraw(("w", 0), 100, {"group": "g", "name": "n", "rank": 0, "npes": 2,
+                                                                "reason": "no"}, 0.0))
+    _, evicted = reg.evict("g", None)
+    replies["evict"] = {("e", 0): {"evicted": evicted}}
+    for op, sent in replies.items():
+        assert sent, op
+        for body in sent.values():
+            check_reply(op, body)
