@@ -34,9 +34,10 @@ Every caller must be in the daemon's allowlist; admin-only ops take root or the 
 ## The fd channel
 
 Where the backend passes fds (host shared memory), a member of a live buffer set connects to
-the fd socket beside the daemon's socket and sends the release body of its slot
-(`{{group, name, rank}}`); the daemon checks the caller's kernel credentials and answers with
-the handles of every rank plus their fds (SCM_RIGHTS), or a coded error (peerd/fdchannel.py).
+the SOCK_SEQPACKET socket `<socket path>.fd` and sends one request, `{{group, name, rank}}`. The
+daemon checks the caller's kernel credentials (SO_PEERCRED) and that it holds that rank, then
+answers `{{ok: true, handles}}` with the set's fds in rank order (SCM_RIGHTS, several messages when
+there are many), or `{{ok: false, code, message}}`, and closes (peerd/fdchannel.py).
 
 ## The life of a buffer set
 
