@@ -66,6 +66,8 @@ from dataclasses import dataclass
 
 import torch
 
+from peerd.protocol import DEFAULT_DEADLINE_S
+
 try:
     import triton
     import triton.language as tl
@@ -107,7 +109,7 @@ def capacity(buf) -> int:
     return Layout(buf.npes, buf.nbytes).slot
 
 
-def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout: float = 60.0) -> torch.Tensor:
+def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout: float = DEFAULT_DEADLINE_S) -> torch.Tensor:
     """Sum ``x`` over every rank of ``buf``'s group into ``out`` (a new tensor
     when None; ``out=x`` reduces in place) and return it.
 

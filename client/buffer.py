@@ -105,6 +105,7 @@ class PeerBuffer:
 
         failure, pointers, fds = None, [], []
         try:
+            _check_joined(joined, conn.hello["backend"], member.npes)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             if self._mapper.passes_fds:
@@ -246,3 +247,14 @@ class PeerBuffer:
             self._close(wait=False)  # never block inside a garbage-collection pass
         except Exception:  # interpreter shutdown: nothing left to report to
             pass
+
+
+def _check_joined(joined: dict, backend: str, npes: int) -> None:
+    """A join reply made by the backend hello named, with one buffer per rank: else nothing is mapped."""
+    counts = {len(joined[k]) for k in ("handles", "sizes", "devices")}
+    if joined["backend"] != backend or counts != {npes}:
+        raise MonoUnsupported(
+            f"the daemon's join reply does not fit this group: backend {joined['backend']!r} (hello named "
+            f"{backend!r}), {sorted(counts)} buffers for {npes} ranks",
+            "BAD_REQUEST",
+        )

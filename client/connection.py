@@ -37,6 +37,7 @@ import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
 from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, Reply, decode_reply, encode_request
+from peerd.replies import check_reply
 from peerd.trust import (
     DAEMON_USER_ADVICE,
     SocketPathError,
@@ -189,9 +190,13 @@ class Connection:
             reply = self._await(op, (request_id, self._send("hello", {})), time.monotonic() + PROBE_TIMEOUT_S)
         if reply is None or reply.id != request_id:
             raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s")
-        if reply.ok:
-            return reply.body
-        raise MonoUnsupported(reply.error.message, reply.error.code.value)
+        if not reply.ok:
+            raise MonoUnsupported(reply.error.message, reply.error.code.value)
+        try:
+            check_reply(op, reply.body)
+        except ProtocolError as err:
+            raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value) from None
+        return reply.body
 
     def _send(self, op: str, body: dict[str, Any]) -> int:
         request_id = next(self._ids)

@@ -18,6 +18,10 @@ import msgpack
 
 VERSION = 1
 
+#: seconds a join or an agreement waits for every rank unless the client or the operator sets
+#: another; the daemon announces its current value in hello and clients send it back as the deadline
+DEFAULT_DEADLINE_S = 60.0
+
 #: Largest reply frame a client accepts.
 MAX_FRAME_BYTES = 1 << 20
 

@@ -23,7 +23,7 @@ from typing import Any
 from .agreements import Agreement, Agreements
 from .buffersets import BufferSet
 from .outbox import Caller, Outbox
-from .protocol import ErrorCode, ProtocolError
+from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
 from .rendezvous import Allocate, Free, Rendezvous
 from .timers import Timers
@@ -36,8 +36,8 @@ class Registry:
         self,
         allocate: Allocate,
         free: Free,
-        rendezvous_timeout: float = 60.0,
-        agreement_timeout: float = 60.0,
+        rendezvous_timeout: float = DEFAULT_DEADLINE_S,
+        agreement_timeout: float = DEFAULT_DEADLINE_S,
         limits: Limits = Limits(),
         admins: frozenset[int] = frozenset({0}),
     ):

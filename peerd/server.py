@@ -23,10 +23,11 @@ import msgpack
 import zmq
 
 from . import __version__
+from .admission import ACCESS, admit, forbidden
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .health import NEARLY, problems
-from .backends import Allocation, MemoryBackend
+from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
 from .registry import Registry
@@ -94,9 +95,10 @@ class Daemon:
         self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
         self.backend = backend
+        self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=frozenset({0, os.geteuid()}),
+            admins=self._admins,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -339,7 +341,8 @@ class Daemon:
         if who is None:
             log.warning("dropped a message without kernel credentials (not an ipc peer?)")
             return []
-        if not self.allowlist.allows(who.uid, who.gid, who.pid):
+        allowed = self.allowlist.allows(who.uid, who.gid, who.pid)
+        if not allowed:  # refused before its frame is decoded
             return self._refuse(identity, who, payload.bytes)
         try:
             request = decode_request(payload.bytes)
@@ -349,9 +352,9 @@ class Daemon:
         caller = (identity, request.id)
         if self.metrics is not None:
             self.metrics.received(caller, request.op)
-        if request.op == "join" and self._drain_until is not None:
-            return [Send(caller, error=ProtocolError(
-                ErrorCode.SHUTTING_DOWN, "the peerd daemon is shutting down and takes no new joins"))]
+        refusal = admit(ACCESS[request.op], who, allowed, self._drain_until is not None, self._admins)
+        if refusal is not None:
+            return [Send(caller, error=refusal)]
         try:
             return self._handlers[request.op](caller, who, request.body)
         except Exception as err:  # a bug must cost one request, never the daemon
@@ -387,21 +390,13 @@ class Daemon:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same
             request_id = None
-        return [Send((identity, request_id), error=self._forbidden(who))]
-
-    @staticmethod
-    def _forbidden(who: Credentials) -> ProtocolError:
-        return ProtocolError(
-            ErrorCode.FORBIDDEN,
-            f"uid {who.uid} (gid {who.gid}) may not use this peerd; the operator can allow it "
-            "with --allow-uid or --allow-gid",
-        )
+        return [Send((identity, request_id), error=forbidden(who))]
 
     def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
         """The fd channel's answer: the handles and fds of the set in which pid holds the rank asked for."""
         who = Credentials(uid, gid, pid)
         if not self.allowlist.allows(uid, gid, pid):
-            raise self._forbidden(who)
+            raise forbidden(who)
         bset = self.registry.opened_set(validate_body("release", request), pid, uid)  # a slot, named as release names it
         allocations = [bset.slots[r].allocation for r in range(bset.npes)]
         fds = [self.backend.fd(a) for a in allocations]
@@ -425,10 +420,7 @@ class Daemon:
         return handle
 
     def _evict(self, caller: Any, who: Credentials, body: dict) -> Outbox:
-        """Free a stuck group by force, in every uid's namespace unless one is named: root or the daemon's uid only."""
-        if who.uid not in (0, os.geteuid()):
-            return [Send(caller, error=ProtocolError(
-                ErrorCode.FORBIDDEN, f"only root or uid {os.geteuid()} may evict; uid {who.uid} may not"))]
+        """Free a stuck group by force, in every uid's namespace unless one is named (admins only: see ACCESS)."""
         log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
                     body["name"] or "*", "*" if body["uid"] is None else body["uid"])
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
@@ -453,10 +445,13 @@ class Daemon:
         return lambda caller, who, body: [Send(caller, build())]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+        """The registry's allocate: the one place where a backend's failure becomes an error code."""
         try:
             return self.backend.allocate(nbytes, device, flags, uid)
-        except ProtocolError:
-            raise
+        except UnknownDevice as err:
+            raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
+        except AllocationFailed as err:
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
         except Exception as err:
             raise ProtocolError(
                 ErrorCode.ALLOCATION_FAILED, f"allocating {nbytes} bytes on {device} failed: {err}"

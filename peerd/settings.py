@@ -36,6 +36,7 @@ from .connections import (
 )
 from .quotas import Limits
 from .paths import default_socket
+from .protocol import DEFAULT_DEADLINE_S
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -88,6 +89,8 @@ class Option:
 
 _SECONDS = click.FloatRange(min=0, min_open=True)
 DEFAULT_CONFIG = "/etc/peerd/peerd.toml"
+#: seconds SIGTERM waits for held buffers to be released
+SHUTDOWN_GRACE_S = 30.0
 
 OPTIONS = (
     Option("socket", str, default_socket, "Path of the daemon's unix socket "
@@ -96,8 +99,8 @@ OPTIONS = (
     Option("backend", click.Choice(["auto", "host", "cuda", "hip"]), "auto",
            "Memory backend; auto picks cuda, else hip, else host shared memory."),
     Option("log_level", click.Choice(["debug", "info", "warning", "error"]), "info", "Logging threshold."),
-    Option("rendezvous_timeout", _SECONDS, 60.0, "Seconds a join waits for every rank, unless the client asks otherwise."),
-    Option("agreement_timeout", _SECONDS, 60.0, "Seconds an agreement waits for every vote, unless the client asks otherwise."),
+    Option("rendezvous_timeout", _SECONDS, DEFAULT_DEADLINE_S, "Seconds a join waits for every rank, unless the client asks otherwise."),
+    Option("agreement_timeout", _SECONDS, DEFAULT_DEADLINE_S, "Seconds an agreement waits for every vote, unless the client asks otherwise."),
     Option("socket_group", str, None, "Group (name or gid) given the socket and its directory; its members may connect."),
     Option("socket_dir_mode", OctalMode(), 0o750, "Mode of the socket's directory (never group- or world-writable)."),
     Option("allow_uid", int, (), "A uid allowed to call the daemon, besides root and the daemon's own (repeatable).",
@@ -114,7 +117,7 @@ OPTIONS = (
            f"{MAX_CONNECTIONS_CEILING}]."),
     Option("max_connections_per_uid", click.IntRange(min=1), DEFAULT_CONNECTIONS_PER_UID,
            f"Most connections one uid may hold at once (a uid the allowlist refuses: {REFUSED_UID_CONNECTIONS})."),
-    Option("shutdown_grace", click.FloatRange(min=0), 30.0,
+    Option("shutdown_grace", click.FloatRange(min=0), SHUTDOWN_GRACE_S,
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
     Option("metrics_port", click.IntRange(min=0, max=65535), 0,
            "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs peerd[metrics])."),
@@ -127,8 +130,8 @@ class Settings:
     socket: str = field(default_factory=default_socket)
     backend: str = "auto"
     log_level: str = "info"
-    rendezvous_timeout: float = 60.0
-    agreement_timeout: float = 60.0
+    rendezvous_timeout: float = DEFAULT_DEADLINE_S
+    agreement_timeout: float = DEFAULT_DEADLINE_S
     socket_group: str | None = None
     socket_dir_mode: int = 0o750
     allow_uid: tuple[int, ...] = ()
@@ -140,7 +143,7 @@ class Settings:
     max_ranks: int = Limits.max_ranks
     max_connections: int = field(default_factory=default_max_connections)
     max_connections_per_uid: int = DEFAULT_CONNECTIONS_PER_UID
-    shutdown_grace: float = 30.0
+    shutdown_grace: float = SHUTDOWN_GRACE_S
     metrics_port: int = 0
 
     @property

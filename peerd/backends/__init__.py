@@ -24,7 +24,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from .allocation import Allocation
-from ..protocol import ErrorCode, ProtocolError
 
 BACKENDS = ("host", "cuda", "hip")
 
@@ -37,12 +36,26 @@ def round_up(nbytes: int, granule: int) -> int:
     return -(-nbytes // granule) * granule
 
 
-def out_of_memory(size: int, device: str, error: str, free: int) -> ProtocolError:
+class AllocationFailed(Exception):
+    """A backend could not give the memory; its message is what the worker reads.
+
+    Backends speak no protocol: the daemon's allocate turns these into error codes, in one place.
+    """
+
+
+class OutOfDeviceMemory(AllocationFailed):
+    """The device cannot hold the buffer."""
+
+
+class UnknownDevice(Exception):
+    """The daemon serves no device of the identity asked for."""
+
+
+def out_of_memory(size: int, device: str, error: str, free: int) -> OutOfDeviceMemory:
     """The refusal a worker sees when a device cannot hold its buffer."""
-    return ProtocolError(
-        ErrorCode.ALLOCATION_FAILED,
+    return OutOfDeviceMemory(
         f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {error}; "
-        f"{free} bytes ({free / 2**20:.0f} MiB) are free there",
+        f"{free} bytes ({free / 2**20:.0f} MiB) are free there"
     )
 
 
@@ -61,7 +74,7 @@ class MemoryBackend(ABC):
 
     @abstractmethod
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
-        """A zero-filled buffer of at least nbytes for processes of ``uid``; ProtocolError when impossible."""
+        """A zero-filled buffer of at least nbytes for processes of ``uid``; AllocationFailed or UnknownDevice when impossible."""
 
     @abstractmethod
     def free(self, allocation: Allocation) -> None:
@@ -74,11 +87,10 @@ class MemoryBackend(ABC):
     def close(self) -> None:
         """Release what the backend itself holds (contexts), at shutdown."""
 
-    def unknown_device(self, device: str) -> ProtocolError:
+    def unknown_device(self, device: str) -> UnknownDevice:
         served = ", ".join(d["uuid"] for d in self.devices()) or "none"
-        return ProtocolError(
-            ErrorCode.DEVICE_UNKNOWN,
-            f"this daemon ({self.name} backend) serves no device {device!r}; it serves: {served}",
+        return UnknownDevice(
+            f"this daemon ({self.name} backend) serves no device {device!r}; it serves: {served}"
         )
 
 

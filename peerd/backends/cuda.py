@@ -25,9 +25,8 @@ import logging
 from typing import Any
 
 from .allocation import Allocation
-from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from . import GPU_GRANULE, BackendUnavailable, MemoryBackend, out_of_memory, round_up
+from . import GPU_GRANULE, AllocationFailed, BackendUnavailable, MemoryBackend, out_of_memory, round_up
 
 log = logging.getLogger("peerd.backends.cuda")
 
@@ -211,7 +210,7 @@ class Memory(MemoryBackend):
             handle = _check(cudart, cudart.cudaIpcGetMemHandle(pointer), "cudaIpcGetMemHandle")
         except CudaError as err:
             cudart.cudaFree(pointer)
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot export {size} bytes on {device}: {err}") from None
+            raise AllocationFailed(f"cannot export {size} bytes on {device}: {err}") from None
         raw = ctypes.string_at(handle.getPtr(), HANDLE_BYTES)
         return Allocation(self.name, raw, size, device, token=(ordinal, int(pointer)))
 

@@ -35,9 +35,9 @@ import logging
 from typing import Any
 
 from .allocation import Allocation
-from ..protocol import FLAG_FINE_GRAINED, ErrorCode, ProtocolError
+from ..protocol import FLAG_FINE_GRAINED
 from . import Mapper as MapperBase
-from . import GPU_GRANULE, BackendUnavailable, MemoryBackend, out_of_memory, round_up
+from . import GPU_GRANULE, AllocationFailed, BackendUnavailable, MemoryBackend, out_of_memory, round_up
 
 log = logging.getLogger("peerd.backends.hip")
 
@@ -169,7 +169,7 @@ class Memory(MemoryBackend):
             handle = self._hip.ipc_handle(pointer)
         except HipError as err:
             hip.hipFree(pointer)
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot export {size} bytes on {device}: {err}") from None
+            raise AllocationFailed(f"cannot export {size} bytes on {device}: {err}") from None
         return Allocation(self.name, handle, size, device, token=(ordinal, pointer))
 
     def free(self, allocation: Allocation) -> None:

@@ -18,9 +18,8 @@ import mmap
 import os
 
 from .allocation import Allocation
-from ..protocol import ErrorCode, ProtocolError
 from . import Mapper as MapperBase
-from . import MemoryBackend, round_up
+from . import AllocationFailed, MemoryBackend, round_up
 
 DEVICE = "host"
 #: what /proc/PID/fd and /proc/PID/maps show: /memfd:peerd
@@ -53,15 +52,13 @@ class Memory(MemoryBackend):
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:  # each buffer is one of the daemon's fds: EMFILE is its open-file limit
             hint = "; raise the daemon's open-file limit (LimitNOFILE)" if err.errno == errno.EMFILE else ""
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"cannot create shared memory: {err}{hint}") from None
+            raise AllocationFailed(f"cannot create shared memory: {err}{hint}") from None
         try:
             os.posix_fallocate(fd, 0, size)  # zero-filled, and really reserved: no SIGBUS on first touch
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as err:
             os.close(fd)
-            raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED, f"cannot reserve {size} bytes of shared memory: {err}"
-            ) from None
+            raise AllocationFailed(f"cannot reserve {size} bytes of shared memory: {err}") from None
         return Allocation(self.name, os.urandom(HANDLE_BYTES), size, DEVICE, token=fd)
 
     def fd(self, allocation: Allocation) -> int:

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from peerd.backends import cuda as backend  # noqa: E402
-from peerd.protocol import FLAG_FINE_GRAINED, ErrorCode, ProtocolError  # noqa: E402
+from peerd.backends import OutOfDeviceMemory, UnknownDevice  # noqa: E402
+from peerd.protocol import FLAG_FINE_GRAINED  # noqa: E402
 
 MiB = 1 << 20
 failures = 0
@@ -250,13 +251,13 @@ def parent() -> None:
     try:
         memory.allocate(MiB, "GPU-00000000-0000-0000-0000-000000000000", 0, None)
         report(False, "unknown UUID refused")
-    except ProtocolError as err:
-        report(err.code is ErrorCode.DEVICE_UNKNOWN, "unknown UUID refused", err.message)
+    except UnknownDevice as err:
+        report(True, "unknown UUID refused", str(err))
     try:
         memory.allocate(1 << 47, uuid, 0, None)
         report(False, "128 TiB refused")
-    except ProtocolError as err:
-        report(err.code is ErrorCode.ALLOCATION_FAILED, "128 TiB refused with ALLOCATION_FAILED", err.message)
+    except OutOfDeviceMemory as err:
+        report(True, "128 TiB refused as out of device memory", str(err))
     again = memory.allocate(MiB, uuid, 0, None)
     report(again.size == 2 * MiB, "allocation works after an out-of-memory failure")
     memory.free(again)
