@@ -9,7 +9,6 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import os
@@ -30,6 +29,7 @@ from .health import NEARLY, problems
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
+from .paging import page
 from .registry import Registry
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
@@ -84,11 +84,6 @@ MAX_PROBLEMS_SHOWN = 20
 log = logging.getLogger("peerd.server")
 
 
-def _position(entry: dict) -> tuple:
-    """Where a listing entry sorts, and what a client's `ls` cursor names: group, name, owner uid."""
-    return entry["group"], entry["name"], -1 if entry["uid"] is None else entry["uid"]
-
-
 class Daemon:
     def __init__(self, settings: Settings, backend: MemoryBackend, loader: Loader | None = None):
         self.settings = settings
@@ -123,7 +118,7 @@ class Daemon:
             "agree": self._stateful(self.registry.agree),
             "evict": self._evict,
             "hello": self._immediate(self._hello),
-            "status": self._immediate(self._status),
+            "status": lambda caller, who, body: [Send(caller, self._status(who.uid))],
             "ls": self._ls,
         }
 
@@ -427,18 +422,9 @@ class Daemon:
         return out + [Send(caller, {"evicted": evicted})]
 
     def _ls(self, caller: Any, who: Credentials, body: dict) -> Outbox:
-        """One page of the buffer sets after the caller's cursor, in (group, name) order, at most
-        body["limit"] of them and about LS_PAGE_BYTES packed: a listing at the limits still fits a reply."""
-        entries = sorted(self.registry.listing(time.monotonic(), who.uid), key=_position)
-        start = 0 if body["after"] is None else bisect.bisect_right(entries, tuple(body["after"]), key=_position)
-        page: list[dict] = []
-        size = 0
-        for entry in entries[start:start + body["limit"]]:
-            size += len(msgpack.packb(entry, use_bin_type=True))
-            if page and size > LS_PAGE_BYTES:
-                break
-            page.append(entry)
-        return [Send(caller, {"groups": page, "more": start + len(page) < len(entries)})]
+        """One page of the caller's buffer sets after its cursor (peerd.paging)."""
+        shown, more = page(self.registry.listing(time.monotonic(), who.uid), body["after"], body["limit"], LS_PAGE_BYTES)
+        return [Send(caller, {"groups": shown, "more": more})]
 
     @staticmethod
     def _immediate(build: Callable[[], dict]) -> Callable[[Any, Credentials, dict], Outbox]:
@@ -467,10 +453,11 @@ class Daemon:
             "agreement_timeout": self.registry.agreement_timeout,
         }
 
-    def _status(self) -> dict:
+    def _status(self, viewer: int) -> dict:
+        """What `peerd status` shows ``viewer``: other users' groups only to administrators (health.problems)."""
         devices = self.backend.devices()
         connections = self._guard.snapshot()
-        found = problems(self.registry, devices, time.monotonic())
+        found = problems(self.registry, devices, time.monotonic(), viewer)
         if connections["open"] >= NEARLY * connections["max"]:
             found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
         if len(found) > MAX_PROBLEMS_SHOWN:
