@@ -98,8 +98,13 @@ class Field:
     """One body field: its Python type and the check its value must pass."""
 
     kind: type | tuple[type, ...]
-    check: Callable[[Any], str | None] = lambda value: None
+    check: Callable[[Any], str | None] | None = None
     default: Any = ...  # ... means required
+
+    def __post_init__(self) -> None:
+        # bool is an int in Python; a vote of 1 or a rank of True is a mistake: decided once, here
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        object.__setattr__(self, "refuses_bool", bool not in kinds)
 
     @property
     def required(self) -> bool:
@@ -142,18 +147,16 @@ def check_fields(where: str, schema: dict[str, Field], body: Any, closed: bool) 
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: unknown field(s) {sorted(map(str, unknown))}")
     clean = dict(body)
     for name, field in schema.items():
-        if name not in body:
+        value = body.get(name, field)
+        if value is field:
             if field.required:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: missing field {name!r}")
             clean[name] = field.default
             continue
-        value = body[name]
-        kinds = field.kind if isinstance(field.kind, tuple) else (field.kind,)
-        # bool is an int in Python; a vote of 1 or a rank of True is a mistake.
-        if not isinstance(value, field.kind) or (isinstance(value, bool) and bool not in kinds):
+        if not isinstance(value, field.kind) or (field.refuses_bool and isinstance(value, bool)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} must be "
                                 f"{type_name(field.kind)}, got {type(value).__name__}")
-        problem = field.check(value)
+        problem = field.check and field.check(value)
         if problem:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} {problem}")
     return clean
