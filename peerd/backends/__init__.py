@@ -77,10 +77,19 @@ class MemoryBackend(ABC):
     def free(self, allocation: Allocation) -> None:
         """Give the memory back; called once, after every rank released it."""
 
+    @abstractmethod
     def fd(self, allocation: Allocation) -> int | None:
-        """The fd a member receives for this allocation over the fd channel; None where the handle suffices."""
-        return None
+        """The fd a member receives for this allocation's chunk over the fd channel; None where the handle suffices."""
 
+    @abstractmethod
+    def usage(self) -> list[dict[str, Any]]:
+        """Reserved vs handed-out bytes by (device, uid), for the metrics (safe from any thread)."""
+
+    @abstractmethod
+    def trim(self) -> None:
+        """Give every chunk no buffer uses back to the driver now (after an eviction)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release what the backend holds, at shutdown."""
 
