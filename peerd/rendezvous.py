@@ -214,6 +214,8 @@ class Rendezvous:
             "backend": slots[0].allocation.backend,
             "handles": [s.allocation.handle for s in slots],
             "sizes": [s.allocation.size for s in slots],
+            "offsets": [s.allocation.offset for s in slots],
+            "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
         }
         log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)

@@ -25,6 +25,7 @@ _HELLO = {
 
 REPLIES: dict[str, dict[str, Field]] = {
     "join": {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
+             "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)),
              "devices": Field(list, _each(str))},
     "commit": _VERDICT,
     "agree": _VERDICT,

@@ -26,6 +26,7 @@ from .admission import ACCESS, admit, forbidden
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .health import NEARLY, problems
+from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
@@ -59,7 +60,8 @@ TICK_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
 
 #: settings a SIGHUP cannot change in a running daemon
-RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port")
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port",
+                "arena_chunk_bytes", "arena_max_bytes_per_uid", "arena_idle_s")
 
 #: What one connection can make the daemon hold. A client has one call
 #: outstanding, plus a few releases whose replies it skips, so these bind
@@ -152,7 +154,7 @@ class Daemon:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         if self.settings.metrics_port:
-            self.metrics = Metrics(self.settings.metrics_port, self.registry)
+            self.metrics = Metrics(self.settings.metrics_port, self.registry, self.backend.usage)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.settings.metrics_port)
         log.info(
             "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
@@ -419,6 +421,7 @@ class Daemon:
         log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
                     body["name"] or "*", "*" if body["uid"] is None else body["uid"])
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
+        self.backend.trim()
         return out + [Send(caller, {"evicted": evicted})]
 
     def _ls(self, caller: Any, who: Credentials, body: dict) -> Outbox:
@@ -436,6 +439,8 @@ class Daemon:
             return self.backend.allocate(nbytes, device, flags, uid)
         except UnknownDevice as err:
             raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
+        except OverCap as err:
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, str(err)) from None
         except AllocationFailed as err:
             raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
         except Exception as err:
