@@ -1,21 +1,39 @@
-"""Opened handles, cached per process and counted.
+"""Opened chunks, cached per process and counted.
 
-A handle names a whole allocation, and the driver maps it at most once per
-process (depending on the version, CUDA refuses or reference-counts a
-second cudaIpcOpenMemHandle of one handle; HIP may hand back a different
-pointer each time). So every PeerBuffer of this
-process that needs a handle shares one mapping, keyed by the handle bytes,
-never by the pointer, and the mapping is closed when its last user lets go.
+The daemon hands out buffers as (chunk, offset) (peerd.arena), and a handle
+names a whole chunk, which the driver maps at most once per process
+(depending on the version, CUDA refuses or reference-counts a second
+cudaIpcOpenMemHandle of one handle; HIP may hand back a different pointer
+each time). So every PeerBuffer of this process in one chunk shares one
+mapping, keyed by the daemon's pid and the handle bytes, never by the
+pointer: a restarted daemon's chunks are never mistaken for its
+predecessor's.
+
+A chunk no buffer of this process uses any more stays mapped for
+``KEEP_S``, so the next buffer in it needs no open (a warm setup is then
+pointer arithmetic); it is unmapped at the first open or close of this
+process after that, or when the process exits. Until then the daemon's free
+of that chunk waits for it (the driver and the kernel count mappings): at
+most the idle chunks of this process's own uid stay reserved.
 A forked child inherits none of it: its driver state is not its parent's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 from peerd.backends import Mapper
+
+log = logging.getLogger("peerd_client")
+
+#: seconds an unused chunk stays mapped, waiting for the next buffer in it
+KEEP_S = 60.0
+
+ChunkKey = tuple[int, bytes]  # (daemon pid, chunk handle)
 
 
 @dataclass
@@ -24,30 +42,47 @@ class _Mapping:
     size: int
     mapper: Mapper
     users: int
+    unused_since: float | None = None
 
 
 class MappingCache:
     def __init__(self) -> None:
         # reentrant: a garbage-collection pass inside open() may close a collected buffer's mappings
         self._lock = threading.RLock()
-        self._open: dict[bytes, _Mapping] = {}
+        self._open: dict[ChunkKey, _Mapping] = {}
 
-    def open(self, mapper: Mapper, handle: bytes, size: int, fd: int | None = None) -> int:
-        """The handle's address, mapped (from ``fd`` where the backend passes fds) on first use."""
+    def mapped(self, key: ChunkKey) -> bool:
+        return key in self._open
+
+    def open(self, mapper: Mapper, key: ChunkKey, size: int, fd: int | None = None) -> int:
+        """The chunk's address, mapped (from ``fd`` where the backend passes fds) on first use."""
         with self._lock:
-            mapping = self._open.get(handle)
+            self._unmap_unused(time.monotonic())
+            mapping = self._open.get(key)
             if mapping is None:
-                mapping = self._open[handle] = _Mapping(mapper.open(handle, size, fd), size, mapper, 0)
+                mapping = self._open[key] = _Mapping(mapper.open(key[1], size, fd), size, mapper, 0)
             mapping.users += 1
+            mapping.unused_since = None
             return mapping.address
 
-    def close(self, handle: bytes) -> None:
+    def close(self, key: ChunkKey) -> None:
+        """One user fewer; the chunk stays mapped for KEEP_S once it has none."""
         with self._lock:
-            mapping = self._open[handle]
+            now = time.monotonic()
+            mapping = self._open[key]
             mapping.users -= 1
             if mapping.users == 0:
-                del self._open[handle]
+                mapping.unused_since = now
+            self._unmap_unused(now)
+
+    def _unmap_unused(self, now: float) -> None:
+        stale = [k for k, m in self._open.items() if m.unused_since is not None and now - m.unused_since >= KEEP_S]
+        for key in stale:
+            mapping = self._open.pop(key)
+            try:
                 mapping.mapper.close(mapping.address, mapping.size)
+            except Exception as err:  # the mapping is forgotten either way; the caller's buffer is not at fault
+                log.warning("unmapping an unused peer memory chunk failed: %s", err)
 
     def __len__(self) -> int:
         return len(self._open)

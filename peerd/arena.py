@@ -30,7 +30,8 @@ Rules:
 - **Big requests** (over a chunk) get a chunk of their own, returned to the
   driver as soon as that buffer is freed.
 - **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
-  (``sweep``), and every empty chunk on ``trim`` (eviction, shutdown).
+  (``sweep``; at once when ``idle_s`` is 0), and every empty chunk on
+  ``trim`` (eviction, shutdown).
 - **Cap**: the bytes of chunks one uid may reserve, over all devices;
   ``OverCap`` names the numbers.
 """
@@ -182,6 +183,9 @@ class Arenas:
         size = chunk.give_back(placement.offset)
         if chunk.dedicated:
             self._drop(chunk)
+            return
+        if not chunk.used and self.idle_s == 0:
+            self._drop(chunk)  # kept for no time: zeroing it would be wasted
             return
         self._source.zero(chunk.token, placement.offset, size)
         chunk.zeroing = True

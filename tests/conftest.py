@@ -91,6 +91,11 @@ def _exists(lookup, name) -> bool:
         return False
 
 
+#: a chunk goes back to the driver as soon as it is empty, so a test sees a set's memory freed on its release;
+#: the tests of chunk reuse keep chunks with --arena-idle-s
+ARENA_ENV = {"PEERD_ARENA_IDLE_S": "0"}
+
+
 @dataclass
 class Daemon:
     socket: str
@@ -109,7 +114,7 @@ class Daemon:
             [sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket, *self.args],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
-            env={**self.env(), **self.daemon_env},
+            env={**self.env(), **ARENA_ENV, **self.daemon_env},
         )
         wait_until(lambda: daemon_answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
         assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"

@@ -151,3 +151,12 @@ def test_trim_frees_every_empty_chunk_and_keeps_used_ones(arenas, source):
 def test_the_chunk_size_must_be_aligned(source):
     with pytest.raises(ValueError, match="multiple of 4096"):
         Arenas(source, CHUNK + 1)
+
+
+def test_idle_s_zero_gives_an_emptied_chunk_back_at_once(source):
+    arenas = Arenas(source, CHUNK, idle_s=0)
+    a, b = arenas.place(4096, "gpu0", 0, 1000), arenas.place(4096, "gpu0", 0, 1000)
+    arenas.release(a, now=0)
+    assert source.freed == []
+    arenas.release(b, now=0)
+    assert source.freed == [a.chunk.token] and not arenas.chunks
