@@ -75,6 +75,11 @@ class MappingCache:
                 mapping.unused_since = now
             self._unmap_unused(now)
 
+    def unmap_unused(self) -> None:
+        """Unmap every chunk no buffer of this process uses now: its next buffer opens afresh."""
+        with self._lock:
+            self._unmap_unused(float("inf"))
+
     def _unmap_unused(self, now: float) -> None:
         stale = [k for k, m in self._open.items() if m.unused_since is not None and now - m.unused_since >= KEEP_S]
         for key in stale:

@@ -107,14 +107,14 @@ class Daemon:
     daemon_env: dict = field(default_factory=dict)  # for the daemon alone
 
     def env(self) -> dict:
-        return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **ARENA_ENV, **self.extra_env}
 
     def start(self) -> "Daemon":
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket, *self.args],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
-            env={**self.env(), **ARENA_ENV, **self.daemon_env},
+            env={**self.env(), **self.daemon_env},
         )
         wait_until(lambda: daemon_answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
         assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"
