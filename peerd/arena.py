@@ -227,3 +227,9 @@ class Arenas:
             row["reserved_bytes"] += c.size
             row["handed_out_bytes"] += c.handed_out
         return [rows[k] for k in sorted(rows, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+
+
+def describe_usage(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per uid of a device's ``arenas`` (as status reports them), for people."""
+    return [f"arena of uid {r['uid']}: {r['chunks']} chunk(s), {human(r['reserved_bytes'])} reserved, "
+            f"{human(r['handed_out_bytes'])} handed out" for r in rows]

@@ -110,3 +110,36 @@ def test_a_worker_dying_with_a_buffer_leaves_the_other_buffers_of_its_chunk_inta
         p.stdin.flush()
     for r in finished(kept):
         assert r["intact"] == [True, True], r
+
+
+def test_a_chunk_over_the_uid_cap_fails_only_that_join_naming_the_numbers(socket_dir):
+    d = keeping_daemon(socket_dir, "--arena-chunk-bytes", "1MiB", "--arena-max-bytes-per-uid", "1MiB")
+    try:
+        holders = [start_rank(d, "join", r, 2, "--group", "fits", "--nbytes", str(512 << 10), "--hold", "-1",
+                              stdin=subprocess.PIPE) for r in (0, 1)]
+        wait_until(lambda: "group=fits name=default live" in d.logs(), 90, "the first set to go live")
+        over = [finish(p) for p in [start_rank(d, "join", r, 2, "--group", "over", "--nbytes", "4096")
+                                    for r in (0, 1)]]
+        assert {r["code"] for r in over} == {"LIMIT_EXCEEDED"}, over
+        assert any("uid 0 reserves 1048576 bytes (1.0 MiB) of arena chunks and a new one of 1048576 bytes "
+                   "(1.0 MiB) on host would pass its cap of 1048576 bytes" in r["message"] for r in over), over
+        for p in holders:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert finish(p)["ok"], "the set already in the chunk is untouched"
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
+def test_a_daemon_restart_pulls_nothing_from_under_a_live_worker(keeping):
+    kept = arena_rank.start(keeping, "keep", 2, "--group", "survivor", stdin=subprocess.PIPE)
+    wait_until(lambda: "group=survivor name=kept live" in keeping.logs(), 90, "the set to go live")
+    keeping.proc.kill()
+    keeping.proc.wait()
+    keeping.start()
+    assert arenas(keeping) == [], "a new daemon starts with no chunks and sweeps nothing"
+    for p in kept:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for r in finished(kept):
+        assert r["intact"] == [True, True], r

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peerd.arena import ALIGNMENT, Arenas, OverCap, align
+from peerd.arena import ALIGNMENT, Arenas, OverCap, align, describe_usage
 
 CHUNK = 64 * ALIGNMENT
 
@@ -160,3 +160,10 @@ def test_idle_s_zero_gives_an_emptied_chunk_back_at_once(source):
     assert source.freed == []
     arenas.release(b, now=0)
     assert source.freed == [a.chunk.token] and not arenas.chunks
+
+
+def test_usage_reads_as_one_line_per_uid(arenas):
+    arenas.place(8192, "gpu0", 0, 1000)
+    assert [u for u in arenas.usage()] == [{"device": "gpu0", "uid": 1000, "chunks": 1,
+                                            "reserved_bytes": CHUNK, "handed_out_bytes": 8192}]
+    assert describe_usage(arenas.usage()) == ["arena of uid 1000: 1 chunk(s), 256.0 KiB reserved, 8.0 KiB handed out"]
