@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import click
 
 from . import __version__
+from .arena import describe_usage
 from .escape import EscapingFormatter, escape
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
@@ -181,6 +182,8 @@ def status(socket_path: str, as_json: bool) -> None:
             f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {human(d['total_bytes'])} total, "
             f"daemon footprint {human(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
+        for line in describe_usage(d.get("arenas", [])):
+            click.echo(f"    {line}")
     c = info["connections"]
     busiest = ", ".join(f"uid {uid}: {n}" for uid, n in c["top_uids"]) or "none"
     click.echo(
