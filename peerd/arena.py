@@ -105,8 +105,8 @@ class Chunk:
                 return offset
         return None
 
-    def give_back(self, offset: int) -> int:
-        """Return a range to the free list, merged with its free neighbours; its length."""
+    def give_back(self, offset: int) -> None:
+        """Return a range to the free list, merged with its free neighbours."""
         size = self.used.pop(offset)
         at = 0
         while at < len(self.free) and self.free[at][0] < offset:
@@ -116,7 +116,6 @@ class Chunk:
             self.free[at][1] += self.free.pop(at + 1)[1]
         if at > 0 and self.free[at - 1][0] + self.free[at - 1][1] == offset:
             self.free[at - 1][1] += self.free.pop(at)[1]
-        return size
 
 
 @dataclass(frozen=True)
@@ -180,15 +179,14 @@ class Arenas:
     def release(self, placement: Placement, now: float) -> None:
         """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
         chunk = placement.chunk
-        size = chunk.give_back(placement.offset)
-        if chunk.dedicated:
-            self._drop(chunk)
+        if chunk.dedicated or (self.idle_s == 0 and list(chunk.used) == [placement.offset]):
+            chunk.give_back(placement.offset)
+            self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
             return
-        if not chunk.used and self.idle_s == 0:
-            self._drop(chunk)  # kept for no time: zeroing it would be wasted
-            return
-        self._source.zero(chunk.token, placement.offset, size)
+        # zeroed before it rejoins the free list: a range the driver failed to zero is never handed out again
+        self._source.zero(chunk.token, placement.offset, chunk.used[placement.offset])
         chunk.zeroing = True
+        chunk.give_back(placement.offset)
         if not chunk.used:
             chunk.empty_since = now
 

@@ -167,3 +167,15 @@ def test_usage_reads_as_one_line_per_uid(arenas):
     assert [u for u in arenas.usage()] == [{"device": "gpu0", "uid": 1000, "chunks": 1,
                                             "reserved_bytes": CHUNK, "handed_out_bytes": 8192}]
     assert describe_usage(arenas.usage()) == ["arena of uid 1000: 1 chunk(s), 256.0 KiB reserved, 8.0 KiB handed out"]
+
+
+def test_a_range_that_could_not_be_zeroed_is_never_handed_out_again(arenas, source):
+    p = arenas.place(4096, "gpu0", 0, 1000)
+
+    def broken(token, offset, nbytes):
+        raise RuntimeError("the driver refused the memset")
+
+    source.zero = broken
+    with pytest.raises(RuntimeError):
+        arenas.release(p, now=0)
+    assert arenas.place(4096, "gpu0", 0, 1000).offset != p.offset
