@@ -12,9 +12,13 @@ predecessor's.
 A chunk no buffer of this process uses any more stays mapped for
 ``KEEP_S``, so the next buffer in it needs no open (a warm setup is then
 pointer arithmetic); it is unmapped at the first open or close of this
-process after that, or when the process exits. Until then the daemon's free
-of that chunk waits for it (the driver and the kernel count mappings): at
-most the idle chunks of this process's own uid stay reserved.
+process after that, or when the process exits. KEEP_S is shorter than the
+daemon's default --arena-idle-s (30 s), so a process that keeps making
+buffers has let go of a chunk before the daemon frees it: NVIDIA documents
+a cudaFree of an exported allocation that a process still has open as
+undefined (memfds are simply kept alive by the mapping). A process that
+makes no further call keeps its unused chunks mapped until it exits: at
+most the idle chunks of its own uid.
 A forked child inherits none of it: its driver state is not its parent's.
 """
 
@@ -31,7 +35,7 @@ from peerd.backends import Mapper
 log = logging.getLogger("peerd_client")
 
 #: seconds an unused chunk stays mapped, waiting for the next buffer in it
-KEEP_S = 60.0
+KEEP_S = 10.0
 
 ChunkKey = tuple[int, bytes]  # (daemon pid, chunk handle)
 

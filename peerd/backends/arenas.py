@@ -5,10 +5,10 @@
 release in an arena, and each buffer goes out as its chunk's handle plus an
 offset. A background thread gives chunks that stayed empty for
 ``idle_s`` back to the driver; a lock keeps it and the daemon's loop from
-touching the arenas at once. A chunk some worker still maps outlives the
-daemon's free until that worker unmaps it: the driver (or the kernel, for
-memfds) counts the mappings, so nothing is ever pulled from under a live
-worker, and a restarted daemon starts with no chunks and sweeps nothing.
+touching the arenas at once. A chunk is freed only when no set holds a
+buffer in it; workers unmap unused chunks after peerd_client.mappings.KEEP_S,
+shorter than the default ``idle_s``. A restarted daemon starts with no
+chunks and sweeps nothing.
 """
 
 from __future__ import annotations
