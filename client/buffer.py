@@ -230,6 +230,11 @@ class PeerBuffer:
         if self._released:
             return
         self._released = True
+        if self.device.type == "cuda":  # no kernel of this rank may write into a range the daemon zeroes for reuse
+            try:
+                require_torch().cuda.synchronize(self.device)
+            except Exception as err:  # a broken context must not keep the set held
+                log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
         slot = {"group": self.group_key, "name": self.name, "rank": self.rank}
         try:
             if wait:
