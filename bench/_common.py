@@ -470,13 +470,16 @@ def torch_device(backend: str):
 
 
 def reset_peerd_connection() -> None:
-    """Drop this process's daemon connection: the next call connects afresh (a first use)."""
+    """Make this process as fresh to peerd as a new one: its daemon connection dropped and every arena chunk
+    it kept mapped unmapped, so the next buffer connects, greets and opens each chunk afresh (a first use)."""
     import peerd_client.connection as pc
+    from peerd_client.mappings import mappings
 
     with pc._connection_lock:
         if pc._connection is not None:
             pc._connection.close()
             pc._connection = None
+    mappings.unmap_unused()
 
 
 def leftover_seed_segments() -> list[str]:

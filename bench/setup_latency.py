@@ -2,6 +2,7 @@
 
     python bench/setup_latency.py --backend host            # or --backend cuda on a GPU machine
     python bench/setup_latency.py --ranks 2,4,8 --iters 20 --nbytes 1048576
+    python bench/setup_latency.py --backend cuda --ranks 2,8 --iters 50   # the arena targets (issue 17)
 
 For each N, N worker processes (spawn) sleep until one common instant, then
 build a peer buffer set; a sample is the time from that instant until the
@@ -9,13 +10,15 @@ slowest rank holds it (joined, every handle opened, agreed, views built).
 Paths, measured in the same run, alternating iteration by iteration:
 
   cold phase (no process group, no daemon connection before the start):
-    peerd first use   PeerBuffer(...) in a process whose connection to the
-                      daemon is dropped before each start (connect + hello
-                      are inside the time)
+    peerd first use   PeerBuffer(...) in a process made fresh to peerd before
+                      each start: its daemon connection dropped and the arena
+                      chunks it kept mapped unmapped (connect + hello + one
+                      open per chunk are inside the time)
     seed cold         init_process_group("gloo", tcp://) + allocate +
                       all_gather_object the handles + open the peers' +
                       all_reduce(MIN)
-  warm phase (the gloo group is up, the daemon connection open):
+  warm phase (the gloo group is up, the daemon connection open, the
+  uid's chunk mapped by the previous iteration):
     peerd             PeerBuffer(...)
     seed warm         allocate + all_gather_object + open + all_reduce(MIN)
 
@@ -194,6 +197,11 @@ def main() -> None:
     for path, r in info["by_n"][n].items():
         print(f"  {path:16s} " + ", ".join(f"{what} {C.ms(t)}" for what, t in r["phases_p50"].items())
               + f", done {C.ms(r['p50'])}")
+    print("\ntargets (issue 17): warm p50 <= 1.0 ms and <= 0.1x the seed's warm exchange at 8 ranks; "
+          "first use <= 3 ms plus one open per chunk")
+    for n, paths in info["by_n"].items():
+        print(f"  N={n}: warm {C.ms(paths['peerd']['p50'])} ms = {C.ratio(paths['peerd']['p50'], paths['seed warm']['p50'])}"
+              f" x seed warm; first use {C.ms(paths['peerd first use']['p50'])} ms")
     C.save(f"setup_latency-{args.backend}", info, args.out)
 
 

@@ -13,7 +13,7 @@ from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, undelivered
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
-from .mappings import mappings
+from .mappings import ChunkKey, mappings
 from .views import backend_for, byte_view, default_device, require_torch
 
 log = logging.getLogger("peerd_client")
@@ -70,6 +70,7 @@ class PeerBuffer:
         torch = require_torch()
         self._pid = os.getpid()
         self._handles: list[bytes] = []
+        self._chunks: list[ChunkKey] = []
         self._released = True
         self._conn = conn = connection()
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
@@ -108,11 +109,14 @@ class PeerBuffer:
             _check_joined(joined, conn.hello["backend"], member.npes)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
-            if self._mapper.passes_fds:
+            chunks = [(conn.hello["pid"], handle) for handle in joined["handles"]]
+            if self._mapper.passes_fds and not all(mappings.mapped(key) for key in chunks):
                 fds = _member_fds(conn, self._slot(member), joined["handles"])
-            for n, (handle, size) in enumerate(zip(joined["handles"], joined["sizes"])):
-                pointers.append(mappings.open(self._mapper, handle, size, fds[n] if fds else None))
-                self._handles.append(handle)
+            for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
+                whole = offset == 0 and joined["sizes"][n] == span
+                pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)
+                self._chunks.append(key)
+            self._handles = joined["handles"]
         except Exception as err:  # every rank must still reach the agreement
             failure = err
             log.warning("%s could not map a peer: %s", where, err)
@@ -125,6 +129,7 @@ class PeerBuffer:
                 "commit",
                 {**self._slot(member), "ok": failure is None, "reason": reason, "timeout": agreement},
                 timeout=agreement + GRACE_S,
+                meanwhile=None if failure else lambda: self._view(pointers),  # while the others vote
             )
         except MonoUnsupported as err:
             self.close()
@@ -136,11 +141,14 @@ class PeerBuffer:
                 f"peer memory handshake failed on {side} rank ({where}): {verdict['reason']}"
             ) from failure
 
+    def _view(self, pointers: list[int]) -> None:
+        """The views of the mapped set; made while the daemon collects the votes, dropped if they fail."""
         self._pointers = pointers
-        self._local = self._pointers[self.rank]
+        self._local = pointers[self.rank]
         # a view, not an owner: close() unmaps the memory under it
-        self._bytes = byte_view(self._local, nbytes, self.device)
-        self._addresses = torch.tensor(self._pointers, dtype=torch.int64, device=self.device)
+        self._bytes = byte_view(self._local, self.nbytes, self.device)
+        torch = require_torch()
+        self._addresses = torch.tensor(pointers, dtype=torch.int64, device=self.device)
 
     def _take_part(self, conn, member: Membership, device, where: str) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
@@ -214,15 +222,20 @@ class PeerBuffer:
             return  # a forked child holds nothing of its parent's
         self._bytes = self._addresses = None
         self._local, self._pointers = 0, []
-        handles, self._handles = self._handles, []
-        for handle in handles:
+        chunks, self._chunks, self._handles = self._chunks, [], []
+        for key in chunks:
             try:
-                mappings.close(handle)
+                mappings.close(key)
             except Exception as err:
                 log.warning("unmapping a peer buffer of group=%s failed: %s", self.group_key, err)
         if self._released:
             return
         self._released = True
+        if self.device.type == "cuda":  # no kernel of this rank may write into a range the daemon zeroes for reuse
+            try:
+                require_torch().cuda.synchronize(self.device)
+            except Exception as err:  # a broken context must not keep the set held
+                log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
         slot = {"group": self.group_key, "name": self.name, "rank": self.rank}
         try:
             if wait:
@@ -251,7 +264,7 @@ class PeerBuffer:
 
 def _check_joined(joined: dict, backend: str, npes: int) -> None:
     """A join reply made by the backend hello named, with one buffer per rank: else nothing is mapped."""
-    counts = {len(joined[k]) for k in ("handles", "sizes", "devices")}
+    counts = {len(joined[k]) for k in ("handles", "sizes", "offsets", "chunk_sizes", "devices")}
     if joined["backend"] != backend or counts != {npes}:
         raise MonoUnsupported(
             f"the daemon's join reply does not fit this group: backend {joined['backend']!r} (hello named "

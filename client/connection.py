@@ -31,7 +31,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -166,16 +166,21 @@ class Connection:
         if self._lost:
             raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
 
-    def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-        """Send one request; its reply body, or the daemon's error as MonoUnsupported."""
+    def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,
+             meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Send one request; its reply body, or the daemon's error as MonoUnsupported.
+
+        ``meanwhile`` runs once the request is out, before waiting: work that overlaps the daemon's answer.
+        """
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                return self._call(op, body, timeout)
+                return self._call(op, body, timeout, meanwhile)
             finally:
                 self._owner = None
 
-    def _call(self, op: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _call(self, op: str, body: dict[str, Any], timeout: float,
+              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
         try:
             self._check_lost()
         except DaemonUnavailable:
@@ -189,7 +194,10 @@ class Connection:
         except ProtocolError as err:
             raise MonoUnsupported(err.message, err.code.value) from None
         request_id = self._send(op, body)
-        reply = self._await(op, (request_id,), time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        if meanwhile is not None:
+            meanwhile()
+        reply = self._await(op, (request_id,), deadline)
         if reply is None and op != "hello":  # past the deadline: did its answer come while this process was stopped?
             reply = self._await(op, (request_id, self._send("hello", {})), time.monotonic() + PROBE_TIMEOUT_S)
         if reply is None or reply.id != request_id:

@@ -1,21 +1,36 @@
-"""Opened handles, cached per process and counted.
+"""Opened chunks, cached per process and counted.
 
-A handle names a whole allocation, and the driver maps it at most once per
-process (depending on the version, CUDA refuses or reference-counts a
-second cudaIpcOpenMemHandle of one handle; HIP may hand back a different
-pointer each time). So every PeerBuffer of this
-process that needs a handle shares one mapping, keyed by the handle bytes,
-never by the pointer, and the mapping is closed when its last user lets go.
-A forked child inherits none of it: its driver state is not its parent's.
+The daemon hands out buffers as (chunk, offset) (peerd.arena), and a handle
+names a whole chunk, which the driver maps at most once per process
+(depending on the version, CUDA refuses or reference-counts a second
+cudaIpcOpenMemHandle of one handle; HIP may hand back a different pointer
+each time). So every PeerBuffer of this process in one chunk shares one
+mapping, keyed by the daemon's pid and the handle bytes, never by the
+pointer: a restarted daemon's chunks are never mistaken for its
+predecessor's.
+
+A shared chunk no buffer of this process uses any more stays mapped until
+the process exits, so the next buffer in it needs no open (a warm setup is
+then pointer arithmetic); the daemon frees such a chunk only once every
+process it was handed to has exited (peerd.arena: Note [No free under a
+mapping]). A buffer that is its whole chunk (a dedicated chunk) is
+unmapped as soon as no buffer of this process uses it, before the release
+that lets the daemon free it. A forked child inherits none of it: its
+driver state is not its parent's.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
 
 from peerd.backends import Mapper
+
+log = logging.getLogger("peerd_client")
+
+ChunkKey = tuple[int, bytes]  # (daemon pid, chunk handle)
 
 
 @dataclass
@@ -24,30 +39,48 @@ class _Mapping:
     size: int
     mapper: Mapper
     users: int
+    whole: bool  # one buffer is the whole chunk: unmapped once unused
 
 
 class MappingCache:
     def __init__(self) -> None:
         # reentrant: a garbage-collection pass inside open() may close a collected buffer's mappings
         self._lock = threading.RLock()
-        self._open: dict[bytes, _Mapping] = {}
+        self._open: dict[ChunkKey, _Mapping] = {}
 
-    def open(self, mapper: Mapper, handle: bytes, size: int, fd: int | None = None) -> int:
-        """The handle's address, mapped (from ``fd`` where the backend passes fds) on first use."""
+    def mapped(self, key: ChunkKey) -> bool:
+        return key in self._open
+
+    def open(self, mapper: Mapper, key: ChunkKey, size: int, fd: int | None = None, whole: bool = False) -> int:
+        """The chunk's address, mapped (from ``fd`` where the backend passes fds) on first use; ``whole``:
+        the buffer is the whole chunk."""
         with self._lock:
-            mapping = self._open.get(handle)
+            mapping = self._open.get(key)
             if mapping is None:
-                mapping = self._open[handle] = _Mapping(mapper.open(handle, size, fd), size, mapper, 0)
+                mapping = self._open[key] = _Mapping(mapper.open(key[1], size, fd), size, mapper, 0, whole)
             mapping.users += 1
             return mapping.address
 
-    def close(self, handle: bytes) -> None:
+    def close(self, key: ChunkKey) -> None:
+        """One user fewer; a whole-chunk buffer's mapping goes once it has none, a shared chunk's stays."""
         with self._lock:
-            mapping = self._open[handle]
+            mapping = self._open[key]
             mapping.users -= 1
-            if mapping.users == 0:
-                del self._open[handle]
+            if mapping.users == 0 and mapping.whole:
+                self._unmap([key])
+
+    def unmap_unused(self) -> None:
+        """Unmap every chunk no buffer of this process uses now: its next buffer opens afresh."""
+        with self._lock:
+            self._unmap([k for k, m in self._open.items() if m.users == 0])
+
+    def _unmap(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            mapping = self._open.pop(key)
+            try:
                 mapping.mapper.close(mapping.address, mapping.size)
+            except Exception as err:  # the mapping is forgotten either way; the caller's buffer is not at fault
+                log.warning("unmapping an unused peer memory chunk failed: %s", err)
 
     def __len__(self) -> int:
         return len(self._open)

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import click
 
 from . import __version__
+from .arena import describe_usage
 from .escape import EscapingFormatter, escape
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
@@ -65,7 +66,7 @@ def serve(settings: Settings) -> None:
     try:
         settings = replace(settings, socket=check_socket_path(settings.socket))
         loader = click.get_current_context().meta["peerd.loader"]
-        Daemon(settings, memory_backend(settings.backend), loader).serve()
+        Daemon(settings, memory_backend(settings.backend, settings.arena), loader).serve()
     except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError, RuntimeError) as err:
         raise click.ClickException(str(err)) from None
 
@@ -181,6 +182,8 @@ def status(socket_path: str, as_json: bool) -> None:
             f"  device {d['index']}: {d['uuid']}{bus} {d['name']}, {human(d['total_bytes'])} total, "
             f"daemon footprint {human(d['footprint_bytes']) if d['footprint_bytes'] is not None else 'unknown'}"
         )
+        for line in describe_usage(d.get("arenas", [])):
+            click.echo(f"    {line}")
     c = info["connections"]
     busiest = ", ".join(f"uid {uid}: {n}" for uid, n in c["top_uids"]) or "none"
     click.echo(

@@ -9,7 +9,7 @@ so scraping never blocks or races the loop.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .outbox import Send
 from .registry import Registry
@@ -18,7 +18,7 @@ OUTCOME_OK = "ok"
 
 
 class Metrics:
-    def __init__(self, port: int, registry: Registry):
+    def __init__(self, port: int, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]]):
         try:
             from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
         except ImportError:
@@ -33,7 +33,7 @@ class Metrics:
         )
         self.joins = Counter("peerd_joins", "Joins answered, by outcome (ok or the error code)", ["outcome"])
         self.agreements = Counter("peerd_agreements", "tp_agree rounds answered, by outcome", ["outcome"])
-        REGISTRY.register(_Gauges(registry))
+        REGISTRY.register(_Gauges(registry, arena_usage))
         self.server, self.thread = start_http_server(port, addr="127.0.0.1")
 
     def answered(self, send: Send) -> None:
@@ -59,10 +59,11 @@ class Metrics:
 
 
 class _Gauges:
-    """Buffer sets by state, ranks held, bytes by device, rank deaths: read at scrape time."""
+    """Buffer sets by state, ranks held, bytes by device, arena chunks, rank deaths: read at scrape time."""
 
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]]):
         self._registry = registry
+        self._arena_usage = arena_usage  # takes the arenas' lock: a scrape waits for at most one allocation
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -82,5 +83,16 @@ class _Gauges:
         for device, n in sorted(dict(self._registry.bytes_by_device).items()):
             by_device.add_metric([device], n)
         yield by_device
+        reserved = GaugeMetricFamily("peerd_arena_reserved_bytes", "Bytes of arena chunks reserved, by device and uid",
+                                     labels=["device", "uid"])
+        handed_out = GaugeMetricFamily("peerd_arena_handed_out_bytes",
+                                       "Bytes of arena chunks handed out as buffers, by device and uid",
+                                       labels=["device", "uid"])
+        for row in self._arena_usage():
+            labels = [row["device"], str(row["uid"])]
+            reserved.add_metric(labels, row["reserved_bytes"])
+            handed_out.add_metric(labels, row["handed_out_bytes"])
+        yield reserved
+        yield handed_out
         yield CounterMetricFamily("peerd_rank_deaths", "Client processes that died holding a rank",
                                   value=self._registry.rank_deaths)

@@ -104,7 +104,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        {**_SLOT, "npes": _NPES, "nbytes": Field(int, between(1, MAX_NBYTES)), "device": Field(str, key),
         "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
-        "devices": Field(list, _each(str))},
+        "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str))},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain
        registry=True),

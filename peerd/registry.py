@@ -26,7 +26,7 @@ from .credentials import Credentials
 from .outbox import Caller, Outbox
 from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
-from .rendezvous import Allocate, Free, Rendezvous
+from .rendezvous import Allocate, Free, Handed, Rendezvous
 from .timers import Timers, Waits
 
 
@@ -41,12 +41,13 @@ class Registry:
         agreement_timeout: float = DEFAULT_DEADLINE_S,
         limits: Limits = Limits(),
         admins: frozenset[int] = frozenset({0}),
+        handed: Handed = lambda allocations, pids: None,  # memory that needs no record of who maps it
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
         self._quotas = Quotas(limits)
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
-        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, self._waits)
+        self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

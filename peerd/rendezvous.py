@@ -33,6 +33,7 @@ log = logging.getLogger("peerd.rendezvous")
 
 Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
 Free = Callable[[Allocation], None]
+Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 
 SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
@@ -57,16 +58,10 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 class Rendezvous:
     """Every buffer set's rules; the sets themselves live in ``index``."""
 
-    def __init__(
-        self,
-        allocate: Allocate,
-        free: Free,
-        timers: Timers,
-        quotas: Quotas,
-        waits: Waits,
-    ):
+    def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits):
         self._allocate = allocate
         self._free = free
+        self._handed = handed
         self._timers = timers
         self._quotas = quotas
         self._waits = waits
@@ -211,8 +206,11 @@ class Rendezvous:
             "backend": slots[0].allocation.backend,
             "handles": [s.allocation.handle for s in slots],
             "sizes": [s.allocation.size for s in slots],
+            "offsets": [s.allocation.offset for s in slots],
+            "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
         }
+        self._handed([s.allocation for s in slots], [s.pid for s in slots])
         log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)
         out = []
         for s in slots:

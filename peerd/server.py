@@ -24,6 +24,7 @@ from . import __version__, report
 from .admission import admit, forbidden
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
+from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
@@ -48,7 +49,8 @@ TICK_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
 
 #: settings a SIGHUP cannot change in a running daemon
-RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port")
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port",
+                "arena_chunk_bytes", "arena_max_bytes_per_uid", "arena_idle_s")
 
 #: What one connection can make the daemon hold. A client has one call
 #: outstanding, plus a few releases whose replies it skips, so these bind
@@ -92,7 +94,7 @@ class Daemon:
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=self._admins,
+            admins=self._admins, handed=backend.handed,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -141,7 +143,7 @@ class Daemon:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         if self.settings.metrics_port:
-            self.metrics = Metrics(self.settings.metrics_port, self.registry)
+            self.metrics = Metrics(self.settings.metrics_port, self.registry, self.backend.usage)
             log.info("metrics on http://127.0.0.1:%d/metrics", self.settings.metrics_port)
         log.info(
             "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
@@ -274,6 +276,7 @@ class Daemon:
             poller.unregister(fd)
         for pid in [self._watcher.died(fd) for fd in readable] + self._watcher.sweep():
             out += self.registry.process_died(pid, now)
+            self.backend.process_gone(pid)
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
         self._fd_channel.serve(events, now)
@@ -410,6 +413,7 @@ class Daemon:
         log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
                     body["name"] or "*", "*" if body["uid"] is None else body["uid"])
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
+        self.backend.trim()
         return out + [Send(caller, {"evicted": evicted})]
 
     def _serve_ls(self, caller: Route, who: Credentials, body: dict) -> Outbox:
@@ -439,6 +443,8 @@ class Daemon:
             return self.backend.allocate(nbytes, device, flags, uid)
         except UnknownDevice as err:
             raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
+        except OverCap as err:
+            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, str(err)) from None
         except AllocationFailed as err:
             raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
         except Exception as err:

@@ -34,6 +34,8 @@ from .connections import (
     ConnectionLimits,
     default_max_connections,
 )
+from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
+from .backends.arenas import ArenaSettings
 from .quotas import Limits
 from .paths import default_socket
 from .protocol import DEFAULT_DEADLINE_S
@@ -110,6 +112,11 @@ OPTIONS = (
     Option("max_buffer_bytes", ByteSize(), Limits.max_buffer_bytes, "Largest single buffer."),
     Option("max_bytes_per_uid", ByteSize(), None, "Most bytes one uid may hold at once."),
     Option("max_bytes_per_device", ByteSize(), None, "Most bytes the daemon allocates on one device."),
+    Option("arena_chunk_bytes", ByteSize(), DEFAULT_CHUNK_BYTES, "Size of the chunks each uid's buffers are carved "
+           f"from, per device (a multiple of {ALIGNMENT}); a bigger buffer gets an allocation of its own."),
+    Option("arena_max_bytes_per_uid", ByteSize(), None, "Most bytes of chunks one uid may reserve, over all devices."),
+    Option("arena_idle_s", click.FloatRange(min=0), DEFAULT_IDLE_S,
+           "Seconds a chunk stays empty before it goes back to the driver."),
     Option("max_groups", click.IntRange(min=1), Limits.max_groups, "Most buffer sets held at once."),
     Option("max_ranks", click.IntRange(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
     Option("max_connections", click.IntRange(min=1), default_max_connections, "Most client connections held at "
@@ -139,6 +146,9 @@ class Settings:
     max_buffer_bytes: int | None = Limits.max_buffer_bytes
     max_bytes_per_uid: int | None = None  # None or 0: no limit
     max_bytes_per_device: int | None = None
+    arena_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    arena_max_bytes_per_uid: int | None = None  # None or 0: no limit
+    arena_idle_s: float = DEFAULT_IDLE_S
     max_groups: int = Limits.max_groups
     max_ranks: int = Limits.max_ranks
     max_connections: int = field(default_factory=default_max_connections)
@@ -150,6 +160,10 @@ class Settings:
     def limits(self) -> Limits:
         return Limits(self.max_buffer_bytes or None, self.max_bytes_per_uid or None,
                       self.max_bytes_per_device or None, self.max_groups, self.max_ranks)
+
+    @property
+    def arena(self) -> ArenaSettings:
+        return ArenaSettings(self.arena_chunk_bytes, self.arena_max_bytes_per_uid or None, self.arena_idle_s)
 
     @property
     def connection_limits(self) -> ConnectionLimits:

@@ -91,6 +91,11 @@ def _exists(lookup, name) -> bool:
         return False
 
 
+#: a chunk goes back to the driver as soon as it is empty, so a test sees a set's memory freed on its release;
+#: the tests of chunk reuse keep chunks with --arena-idle-s
+ARENA_ENV = {"PEERD_ARENA_IDLE_S": "0"}
+
+
 @dataclass
 class Daemon:
     socket: str
@@ -102,7 +107,7 @@ class Daemon:
     daemon_env: dict = field(default_factory=dict)  # for the daemon alone
 
     def env(self) -> dict:
-        return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **ARENA_ENV, **self.extra_env}
 
     def start(self) -> "Daemon":
         self.proc = subprocess.Popen(

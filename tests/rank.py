@@ -126,7 +126,7 @@ def no_torch(args) -> dict:
 
 
 def cache(args) -> dict:
-    """Opening a handle this process already mapped must reuse the mapping."""
+    """Opening a chunk this process already mapped must reuse the mapping."""
     from peerd_client import PeerBuffer
     from peerd_client.mappings import mappings
 
@@ -134,10 +134,11 @@ def cache(args) -> dict:
     mapper, opened = buf._mapper, []
     real_open = mapper.open
     mapper.open = lambda handle, size, fd=None: opened.append(handle) or real_open(handle, size, fd)
-    again = [mappings.open(mapper, h, 0) for h in buf._handles]
-    same = again == buf.pointers
-    for h in buf._handles:
-        mappings.close(h)
+    bases = [mappings.open(mapper, key, 0) for key in buf._chunks]
+    span = mappings._open[buf._chunks[0]].size
+    same = len(set(bases)) == 1 and all(0 <= p - bases[0] < span for p in buf.pointers)  # one chunk holds them
+    for key in buf._chunks:
+        mappings.close(key)
     mapped_while_open = len(mappings)
     buf.close()
     return {"same": same, "driver_opens": len(opened), "mapped_while_open": mapped_while_open,

@@ -1,9 +1,12 @@
 """Memory backends: who allocates device memory and how a worker maps it.
 
 Each backend has two halves behind one small interface. The daemon half
-(``MemoryBackend``) allocates, exports a handle, frees, and describes its
-devices. The client half (``Mapper``) names the worker's device and opens or
-closes a handle in the worker's address space. Both halves of a backend live
+(``ChunkMemory``) is thin: it allocates and exports a chunk, zeroes a range
+of it, frees it, and describes its devices; the daemon hands out buffers as
+(chunk, offset) through ``ArenaMemory`` (peerd.backends.arenas, over the
+pure allocator peerd.arena), the ``MemoryBackend`` the registry sees. The
+client half (``Mapper``) names the worker's device and opens or closes a
+chunk's handle in the worker's address space. Both halves of a backend live
 in one module so that the handle format is defined in one place. Where a
 handle alone cannot open memory (host memfds), the daemon passes the memory
 itself as fds over its fd channel (peerd.fdchannel), to members only.
@@ -21,20 +24,14 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .allocation import Allocation
 
+if TYPE_CHECKING:
+    from .arenas import ArenaSettings
+
 BACKENDS = ("host", "cuda", "hip")
-
-#: GPU buffers are rounded up to this: a handle exposes a whole allocation, so
-#: no handle ever shows a neighbour's memory and no two buffers share a mapping
-GPU_GRANULE = 2 << 20
-
-
-def round_up(nbytes: int, granule: int) -> int:
-    return -(-nbytes // granule) * granule
-
 
 class AllocationFailed(Exception):
     """A backend could not give the memory; its message is what the worker reads.
@@ -64,7 +61,7 @@ class BackendUnavailable(RuntimeError):
 
 
 class MemoryBackend(ABC):
-    """The daemon's half: owns the memory."""
+    """What the registry allocates buffers from: ``ArenaMemory`` over a backend's ``ChunkMemory``."""
 
     name: str
 
@@ -80,8 +77,60 @@ class MemoryBackend(ABC):
     def free(self, allocation: Allocation) -> None:
         """Give the memory back; called once, after every rank released it."""
 
+    @abstractmethod
     def fd(self, allocation: Allocation) -> int | None:
-        """The fd a member receives for this allocation over the fd channel; None where the handle suffices."""
+        """The fd a member receives for this allocation's chunk over the fd channel; None where the handle suffices."""
+
+    @abstractmethod
+    def usage(self) -> list[dict[str, Any]]:
+        """Reserved vs handed-out bytes by (device, uid), for the metrics (safe from any thread)."""
+
+    @abstractmethod
+    def handed(self, allocations: list[Allocation], pids: list[int]) -> None:
+        """These processes were handed these buffers (a set's handles went out): they may map them until they exit."""
+
+    @abstractmethod
+    def process_gone(self, pid: int) -> None:
+        """A client process exited, and its mappings with it."""
+
+    @abstractmethod
+    def trim(self) -> None:
+        """Give every chunk no buffer uses back to the driver now (after an eviction)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the backend holds, at shutdown."""
+
+
+class ChunkMemory(ABC):
+    """A backend's daemon half: chunks of device memory, each exported once (peerd.arena.ChunkSource)."""
+
+    name: str
+    #: a driver free under another process's IPC mapping is undefined (peerd.arena: Note [No free under a mapping])
+    free_needs_unmapped = True
+
+    @abstractmethod
+    def devices(self) -> list[dict[str, Any]]:
+        """Each device served: identity, name, memory, the daemon's footprint."""
+
+    @abstractmethod
+    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, Any]:
+        """A zero-filled chunk of nbytes: (its exported handle, a token for the calls below);
+        AllocationFailed or UnknownDevice when impossible."""
+
+    @abstractmethod
+    def zero(self, token: Any, offset: int, nbytes: int) -> None:
+        """Start zeroing a range of a chunk; ``sync`` waits for it."""
+
+    def sync(self, token: Any) -> None:
+        """Wait for the zeroing started on a chunk (nothing where ``zero`` is synchronous)."""
+
+    @abstractmethod
+    def free_chunk(self, token: Any) -> None:
+        """Give a chunk back to the driver."""
+
+    def chunk_fd(self, token: Any) -> int | None:
+        """The fd a member receives for a chunk over the fd channel; None where the handle suffices."""
         return None
 
     def close(self) -> None:
@@ -106,7 +155,7 @@ class Mapper(ABC):
 
     @abstractmethod
     def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
-        """Map a handle (from ``fd`` where the backend passes fds); the address of its first byte here."""
+        """Map a chunk's handle (from ``fd`` where the backend passes fds); the address of its first byte here."""
 
     @abstractmethod
     def close(self, address: int, size: int) -> None:
@@ -119,7 +168,7 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def memory_backend(name: str) -> MemoryBackend:
+def chunk_memory(name: str) -> ChunkMemory:
     """The daemon half of backend ``name``, or "auto": cuda, else hip, else host."""
     if name != "auto":
         return _module(name).Memory()
@@ -129,6 +178,13 @@ def memory_backend(name: str) -> MemoryBackend:
         except BackendUnavailable:
             continue
     return _module("host").Memory()
+
+
+def memory_backend(name: str, arena: ArenaSettings | None = None) -> MemoryBackend:
+    """What the daemon allocates from: arenas over backend ``name`` (see ``chunk_memory``)."""
+    from .arenas import ArenaMemory, ArenaSettings
+
+    return ArenaMemory(chunk_memory(name), arena or ArenaSettings())
 
 
 def mapper(name: str) -> Mapper:

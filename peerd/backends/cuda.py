@@ -1,6 +1,11 @@
 """CUDA backend: cudaMalloc + cudaIpcGetMemHandle, through cuda-bindings.
 
-The handle is the 64 bytes of a ``cudaIpcMemHandle_t``. Device identity is
+The daemon's half is thin: it allocates, exports and frees arena chunks
+(peerd.arena hands out the buffers in them) and zeroes freed ranges with
+cudaMemsetAsync on a stream of its own per device, made on first use (so the
+start-up footprint below is unchanged), which the arena synchronises before
+a range goes out again. The handle is the 64 bytes of a chunk's
+``cudaIpcMemHandle_t``. Device identity is
 the GPU's UUID in the form ``nvidia-smi -L`` prints ("GPU-8-4-4-4-12" hex),
 never an ordinal: the daemon and each worker can see different
 ``CUDA_VISIBLE_DEVICES``, so ordinals are translated at each end.
@@ -24,9 +29,8 @@ import ctypes
 import logging
 from typing import Any
 
-from .allocation import Allocation
 from . import Mapper as MapperBase
-from . import GPU_GRANULE, AllocationFailed, BackendUnavailable, MemoryBackend, out_of_memory, round_up
+from . import AllocationFailed, BackendUnavailable, ChunkMemory, out_of_memory
 
 log = logging.getLogger("peerd.backends.cuda")
 
@@ -107,7 +111,7 @@ def _nvml_used() -> dict[str, int]:
         pynvml.nvmlShutdown()
 
 
-class Memory(MemoryBackend):
+class Memory(ChunkMemory):
     """The daemon's half: one small primary context per GPU it can see.
 
     ``footprint_bytes`` is what the daemon's start-up cost on the device,
@@ -146,6 +150,7 @@ class Memory(MemoryBackend):
             if d["uuid"] in before and d["uuid"] in after:
                 d["footprint_bytes"] = after[d["uuid"]] - before[d["uuid"]]
         self._ordinal = {d["uuid"]: d["index"] for d in self._devices}
+        self._streams: dict[int, Any] = {}  # ordinal -> the daemon's zeroing stream, made on first use
 
     def _start(self, ordinal: int) -> dict[str, Any]:
         """Create device ``ordinal``'s context with a small stack; describe the device."""
@@ -191,34 +196,54 @@ class Memory(MemoryBackend):
             described.append(d)
         return described
 
-    def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, tuple[int, int]]:
         ordinal = self._ordinal.get(device)
         if ordinal is None:
             raise self.unknown_device(device)
         cudart = self._rt
-        size = round_up(nbytes, GPU_GRANULE)
         _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
         try:
-            pointer = _check(cudart, cudart.cudaMalloc(size), f"cudaMalloc({size})")
+            pointer = _check(cudart, cudart.cudaMalloc(nbytes), f"cudaMalloc({nbytes})")
         except CudaError as err:
             cudart.cudaGetLastError()  # clear it: an allocation failure must not leak into the next call
             free, _ = _check(cudart, cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-            raise out_of_memory(size, device, err.name, free) from None
+            raise out_of_memory(nbytes, device, err.name, free) from None
         try:
-            _check(cudart, cudart.cudaMemset(pointer, 0, size), "cudaMemset")
+            _check(cudart, cudart.cudaMemset(pointer, 0, nbytes), "cudaMemset")
             _check(cudart, cudart.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
             handle = _check(cudart, cudart.cudaIpcGetMemHandle(pointer), "cudaIpcGetMemHandle")
         except CudaError as err:
             cudart.cudaFree(pointer)
-            raise AllocationFailed(f"cannot export {size} bytes on {device}: {err}") from None
-        raw = ctypes.string_at(handle.getPtr(), HANDLE_BYTES)
-        return Allocation(self.name, raw, size, device, token=(ordinal, int(pointer)))
+            raise AllocationFailed(f"cannot export {nbytes} bytes on {device}: {err}") from None
+        return ctypes.string_at(handle.getPtr(), HANDLE_BYTES), (ordinal, int(pointer))
 
-    def free(self, allocation: Allocation) -> None:
-        ordinal, pointer = allocation.token
+    def _stream(self, ordinal: int):
+        """Device ``ordinal``'s zeroing stream (current device set by the caller)."""
+        stream = self._streams.get(ordinal)
+        if stream is None:
+            cudart = self._rt
+            stream = self._streams[ordinal] = _check(
+                cudart, cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"
+            )
+        return stream
+
+    def zero(self, token: tuple[int, int], offset: int, nbytes: int) -> None:
+        ordinal, pointer = token
         cudart = self._rt
         _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
-        _check(cudart, cudart.cudaFree(pointer), f"cudaFree on {allocation.device}")
+        _check(cudart, cudart.cudaMemsetAsync(pointer + offset, 0, nbytes, self._stream(ordinal)), "cudaMemsetAsync")
+
+    def sync(self, token: tuple[int, int]) -> None:
+        ordinal, _ = token
+        cudart = self._rt
+        _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
+        _check(cudart, cudart.cudaStreamSynchronize(self._stream(ordinal)), "cudaStreamSynchronize")
+
+    def free_chunk(self, token: tuple[int, int]) -> None:
+        ordinal, pointer = token
+        cudart = self._rt
+        _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
+        _check(cudart, cudart.cudaFree(pointer), f"cudaFree on device {ordinal}")
 
     def close(self) -> None:
         """Nothing: process exit tears the contexts down.

@@ -2,10 +2,14 @@
 
 NOT RUN ON AMD HARDWARE: see the last paragraph.
 
-The handle is the 64 bytes of a ``hipIpcMemHandle_t``. Buffers are uncached
+The daemon's half has the CUDA backend's structure: it allocates, exports
+and frees arena chunks (peerd.arena hands out buffers as chunk handle plus
+offset, as other ROCm engines share sub-buffers over hipIpc) and zeroes a
+freed range with hipMemset, synchronously. The handle is the 64 bytes of a
+chunk's ``hipIpcMemHandle_t``. Chunks are uncached
 (``hipDeviceMallocUncached``, 0x3: hip-python has no constant for it), so a
 peer's stores are seen without cache maintenance; ``FLAG_FINE_GRAINED`` asks
-for fine-grained memory (``hipDeviceMallocFinegrained``, 0x1) instead.
+for fine-grained chunks (``hipDeviceMallocFinegrained``, 0x1) instead.
 
 Device identity is the string ``rocminfo`` prints as the agent's Uuid,
 "GPU-" followed by the ASCII unique ID that ROCm writes into ``hipUUID``
@@ -34,10 +38,9 @@ import ctypes
 import logging
 from typing import Any
 
-from .allocation import Allocation
 from ..protocol import FLAG_FINE_GRAINED
 from . import Mapper as MapperBase
-from . import GPU_GRANULE, AllocationFailed, BackendUnavailable, MemoryBackend, out_of_memory, round_up
+from . import AllocationFailed, BackendUnavailable, ChunkMemory, out_of_memory
 
 log = logging.getLogger("peerd.backends.hip")
 
@@ -113,7 +116,7 @@ class _Hip:
         return ctypes.string_at(int(handle), HANDLE_BYTES)
 
 
-class Memory(MemoryBackend):
+class Memory(ChunkMemory):
     """The daemon's half. ``footprint_bytes`` is None: not measured on AMD yet."""
 
     name = "hip"
@@ -149,34 +152,40 @@ class Memory(MemoryBackend):
     def devices(self) -> list[dict]:
         return [dict(d) for d in self._devices]
 
-    def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, tuple[int, int]]:
         ordinal = self._ordinal.get(device)
         if ordinal is None:
             raise self.unknown_device(device)
         hip = self._hip.rt
-        size = round_up(nbytes, GPU_GRANULE)
         kind = FINE_GRAINED if flags & FLAG_FINE_GRAINED else UNCACHED
         _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
         try:
-            pointer = int(_check(hip.hipExtMallocWithFlags(size, kind), f"hipExtMallocWithFlags({size}, {kind:#x})"))
+            pointer = int(_check(hip.hipExtMallocWithFlags(nbytes, kind), f"hipExtMallocWithFlags({nbytes}, {kind:#x})"))
         except HipError as err:
             hip.hipGetLastError()  # clear it: an allocation failure must not leak into the next call
             free, _ = _check(hip.hipMemGetInfo(), "hipMemGetInfo")
-            raise out_of_memory(size, device, err.name, free) from None
+            raise out_of_memory(nbytes, device, err.name, free) from None
         try:
-            _check(hip.hipMemset(pointer, 0, size), "hipMemset")
+            _check(hip.hipMemset(pointer, 0, nbytes), "hipMemset")
             _check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
             handle = self._hip.ipc_handle(pointer)
         except HipError as err:
             hip.hipFree(pointer)
-            raise AllocationFailed(f"cannot export {size} bytes on {device}: {err}") from None
-        return Allocation(self.name, handle, size, device, token=(ordinal, pointer))
+            raise AllocationFailed(f"cannot export {nbytes} bytes on {device}: {err}") from None
+        return handle, (ordinal, pointer)
 
-    def free(self, allocation: Allocation) -> None:
-        ordinal, pointer = allocation.token
+    def zero(self, token: tuple[int, int], offset: int, nbytes: int) -> None:
+        ordinal, pointer = token
         hip = self._hip.rt
         _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
-        _check(hip.hipFree(pointer), f"hipFree on {allocation.device}")
+        _check(hip.hipMemset(pointer + offset, 0, nbytes), "hipMemset")
+        _check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
+
+    def free_chunk(self, token: tuple[int, int]) -> None:
+        ordinal, pointer = token
+        hip = self._hip.rt
+        _check(hip.hipSetDevice(ordinal), f"hipSetDevice({ordinal})")
+        _check(hip.hipFree(pointer), f"hipFree on device {ordinal}")
 
     def close(self) -> None:
         """Nothing: process exit releases the devices; hipDeviceReset would free buffers still mapped."""

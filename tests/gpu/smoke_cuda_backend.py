@@ -24,6 +24,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from peerd.arena import ALIGNMENT  # noqa: E402
 from peerd.backends import cuda as backend  # noqa: E402
 from peerd.backends import OutOfDeviceMemory, UnknownDevice  # noqa: E402
 from peerd.protocol import FLAG_FINE_GRAINED  # noqa: E402
@@ -102,8 +103,8 @@ def daemon_under(uuid: str) -> None:
     memory = backend.Memory()
     served = [d["uuid"] for d in memory.devices()]
     assert uuid in served, f"{uuid} not in {served}"
-    allocation = memory.allocate(1, uuid, 0, None)
-    memory.free(allocation)
+    _, token = memory.allocate_chunk(ALIGNMENT, uuid, 0)
+    memory.free_chunk(token)
     print(f"daemon: OK, serves {served}")
 
 
@@ -221,49 +222,60 @@ def parent() -> None:
     limit = check(cudart.cudaDeviceGetLimit(cudart.cudaLimit.cudaLimitStackSize), "cudaDeviceGetLimit")
     report(limit == backend.STACK_BYTES, "the daemon's context has the small stack limit", f"{limit} bytes")
 
-    allocation = memory.allocate(3 * MiB, uuid, 0, None)
-    report(allocation.size == 4 * MiB, "3 MiB rounds up to 4 MiB", f"size {allocation.size}")
-    report(len(allocation.handle) == 64 and allocation.handle != bytes(64), "handle is 64 non-zero bytes")
-    _, pointer = allocation.token
-    report(read(pointer) == bytes(16) and read(pointer + allocation.size - 16) == bytes(16), "parent sees zeros")
+    size = 4 * MiB
+    handle, token = memory.allocate_chunk(size, uuid, 0)
+    report(len(handle) == 64 and handle != bytes(64), "handle is 64 non-zero bytes")
+    ordinal, pointer = token
+    report(read(pointer) == bytes(16) and read(pointer + size - 16) == bytes(16), "parent sees zeros")
 
     for label, visible in (("unset", None), ("0", "0"), ("the UUID", uuid)):
         pattern = os.urandom(16)
-        child = spawn(["worker", allocation.handle.hex(), str(allocation.size), uuid, pattern.hex()], visible)
+        child = spawn(["worker", handle.hex(), str(size), uuid, pattern.hex()], visible)
         out = (child.stdout + child.stderr).strip()
         ok = child.returncode == 0 and "worker: OK" in child.stdout
         report(ok, f"worker with CUDA_VISIBLE_DEVICES={label} found the GPU by UUID, saw zeros, wrote", out[-600:])
-        check(cudart.cudaSetDevice(allocation.token[0]), "cudaSetDevice")
-        head, tail = read(pointer), read(pointer + allocation.size - 16)
+        check(cudart.cudaSetDevice(ordinal), "cudaSetDevice")
+        head, tail = read(pointer), read(pointer + size - 16)
         report(head == pattern and tail == pattern, f"parent reads the pattern of the worker ({label})",
                f"head {head.hex()} tail {tail.hex()} want {pattern.hex()}")
-        check(cudart.cudaMemset(pointer, 0, allocation.size), "cudaMemset")
+        check(cudart.cudaMemset(pointer, 0, size), "cudaMemset")
         check(cudart.cudaDeviceSynchronize(), "sync")
+
+    check(cudart.cudaMemset(pointer + MiB - 16, 0xCD, 8192 + 32), "cudaMemset")  # a range and its neighbours
+    check(cudart.cudaDeviceSynchronize(), "sync")
+    memory.zero(token, MiB, 8192)
+    memory.sync(token)
+    check(cudart.cudaSetDevice(ordinal), "cudaSetDevice")
+    inside, before, after = read(pointer + MiB), read(pointer + MiB - 16), read(pointer + MiB + 8192)
+    report(inside == bytes(16) and read(pointer + MiB + 8192 - 16) == bytes(16), "zero() clears its range",
+           inside.hex())
+    report(before == b"\xcd" * 16 and after == b"\xcd" * 16, "zero() leaves the neighbours alone",
+           f"{before.hex()} {after.hex()}")
 
     child = spawn(["daemon", uuid], visible=uuid)
     report(child.returncode == 0, "daemon half under CUDA_VISIBLE_DEVICES=<uuid> serves the UUID",
            (child.stdout + child.stderr).strip()[-600:])
 
-    fine = memory.allocate(2 * MiB + 1, uuid, FLAG_FINE_GRAINED, None)
-    report(fine.size == 4 * MiB, "fine-grained flag accepted (no-op on NVIDIA), 2 MiB + 1 -> 4 MiB", str(fine.size))
-    memory.free(fine)
+    _, fine = memory.allocate_chunk(2 * MiB + ALIGNMENT, uuid, FLAG_FINE_GRAINED)
+    report(True, "fine-grained flag accepted (no-op on NVIDIA)")
+    memory.free_chunk(fine)
 
     try:
-        memory.allocate(MiB, "GPU-00000000-0000-0000-0000-000000000000", 0, None)
+        memory.allocate_chunk(MiB, "GPU-00000000-0000-0000-0000-000000000000", 0)
         report(False, "unknown UUID refused")
     except UnknownDevice as err:
         report(True, "unknown UUID refused", str(err))
     try:
-        memory.allocate(1 << 47, uuid, 0, None)
+        memory.allocate_chunk(1 << 47, uuid, 0)
         report(False, "128 TiB refused")
     except OutOfDeviceMemory as err:
         report(True, "128 TiB refused as out of device memory", str(err))
-    again = memory.allocate(MiB, uuid, 0, None)
-    report(again.size == 2 * MiB, "allocation works after an out-of-memory failure")
-    memory.free(again)
+    _, again = memory.allocate_chunk(MiB, uuid, 0)
+    report(True, "allocation works after an out-of-memory failure")
+    memory.free_chunk(again)
 
     free_before = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")[0]
-    memory.free(allocation)
+    memory.free_chunk(token)
     free_after = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")[0]
     report(free_after - free_before >= 4 * MiB, "free gives the memory back", f"+{(free_after - free_before) / MiB:.0f} MiB")
     memory.close()

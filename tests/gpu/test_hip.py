@@ -89,7 +89,7 @@ def test_selftest_through_the_hip_mapper_and_every_buffer_uncached(hip_daemon, r
     print(result.stdout)
     assert result.returncode == 0 and f"PASS: {ranks} rank(s)" in result.stdout, result.stdout + result.stderr
     allocations = shim_calls(hip_daemon, "hipExtMallocWithFlags")
-    assert len(allocations) >= ranks and {a["flags"] for a in allocations} == {UNCACHED}, allocations
+    assert allocations and {a["flags"] for a in allocations} == {UNCACHED}, allocations  # chunks, not buffers
     freed = {c["ptr"] for c in shim_calls(hip_daemon, "hipFree")}
     assert {a["ptr"] for a in allocations} <= freed, "close must free every buffer"
     assert json.loads(hip_daemon.cli("status", "--json").stdout)["bytes_allocated"] == 0

@@ -26,7 +26,7 @@ def allocate_with(error: Exception) -> ProtocolError:
 
 def test_the_host_backend_speaks_no_protocol():
     with pytest.raises(UnknownDevice, match="serves no device 'GPU-1'; it serves: host"):
-        Memory().allocate(4096, "GPU-1", 0, None)
+        Memory().allocate_chunk(4096, "GPU-1", 0)
 
 
 @pytest.mark.parametrize("error, code, message", [

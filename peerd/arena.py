@@ -1,0 +1,264 @@
+"""Per-(uid, device) arenas: big chunks from the driver, buffers handed out as (chunk, offset).
+
+Why: a driver allocation and its export cost ~0.4 ms each and a worker's
+open ~0.45 ms per handle, and GPU allocations come in 2 MiB pieces. A chunk
+is allocated and exported once, a worker opens it once per process, and
+later buffers in it cost the daemon a free-list walk and the worker an
+addition.
+
+Pure bookkeeping: memory is reached only through a ``ChunkSource`` (the
+backend's thin half: allocate, export, zero, free a chunk), so every rule
+here is tested without a device.
+
+Rules:
+
+- **One uid per chunk.** A chunk serves the buffers of one uid on one
+  device, never another's: mapping a chunk shows its own user's other
+  buffers on that device, nothing more (docs/security.md).
+- **Alignment** ``ALIGNMENT`` = 4 KiB, for every offset and size: a page,
+  so the host backend zeroes a freed range by punching whole pages out of
+  its memfd, and far above what device code assumes of a buffer (16-byte
+  vector loads, 128-byte lines, the 256 bytes cudaMalloc guarantees, which
+  the all-reduce's kernels were written against). 8 KiB asked is 8 KiB held.
+- **First fit** over each chunk's free list (sorted by offset, neighbours
+  coalesced on free): sets of one model ask for a handful of sizes, so the
+  list stays short and first fit keeps the low end of a chunk packed.
+- **Zero on reuse.** A freed range is zeroed at once and asynchronously
+  (``zero``); the chunk's pending zeroes are waited for (``sync``) before any
+  range of it is handed out again, so every buffer reads zero. A new chunk
+  is zeroed whole before its first buffer.
+- **Big requests** (over a chunk) get a chunk of their own, returned to the
+  driver as soon as that buffer is freed.
+- **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
+  (``sweep``; at once when ``idle_s`` is 0), and every empty chunk on
+  ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
+- **Cap**: the bytes of chunks one uid may reserve, over all devices;
+  ``OverCap`` names the numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .sizes import human
+
+# Note [No free under a mapping]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# NVIDIA and AMD document a cudaFree/hipFree of an exported allocation that another process
+# still has open (cudaIpcOpenMemHandle) as undefined behaviour. A worker keeps a shared chunk
+# mapped for as long as it lives (peerd_client.mappings), so the next buffer in it costs no
+# open; so a shared chunk remembers the pids it was handed to (``handed``, when a set's
+# handles go out) and goes back to the driver only once it is empty AND every one of those
+# processes has exited (``process_gone``). A dedicated chunk (one buffer) needs no such
+# record: every member unmaps it before it releases its hold, and it is freed once no rank
+# holds it, as any buffer always was. Where the mapping itself keeps memory alive (memfds:
+# ``ChunkSource.free_needs_unmapped`` False), none of this applies and chunks go back as
+# soon as they are idle.
+
+ALIGNMENT = 4096
+DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_IDLE_S = 30.0
+
+
+def align(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class OverCap(Exception):
+    """A new chunk would take a uid past its cap (the daemon answers LIMIT_EXCEEDED)."""
+
+
+class ChunkSource(Protocol):
+    """What an arena needs of a backend: chunks of device memory, exported once."""
+
+    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, Any]:
+        """A zero-filled chunk: (its exported handle, the backend's token); raises AllocationFailed."""
+
+    def zero(self, token: Any, offset: int, nbytes: int) -> None:
+        """Start zeroing a range (it may run asynchronously until ``sync``)."""
+
+    def sync(self, token: Any) -> None:
+        """Wait for every zeroing started on this chunk."""
+
+    def free_chunk(self, token: Any) -> None:
+        """Give the chunk back to the driver."""
+
+    #: freeing a chunk another process still maps is undefined: see Note [No free under a mapping]
+    free_needs_unmapped: bool
+
+
+@dataclass
+class Chunk:
+    id: int
+    uid: int | None
+    device: str
+    flags: int
+    size: int
+    handle: bytes
+    token: Any
+    dedicated: bool  # one buffer too big for a shared chunk
+    free: list[list[int]] = field(default_factory=list)  # [offset, length], sorted by offset, coalesced
+    used: dict[int, int] = field(default_factory=dict)  # offset -> length handed out
+    zeroing: bool = False  # zeroes started and not waited for
+    empty_since: float | None = None
+    mappers: set[int] = field(default_factory=set)  # live pids handed it: Note [No free under a mapping]
+
+    @property
+    def handed_out(self) -> int:
+        return sum(self.used.values())
+
+    def take(self, size: int) -> int | None:
+        """First fit: the offset of ``size`` bytes carved from the free list, or None."""
+        for entry in self.free:
+            offset, length = entry
+            if length >= size:
+                if length == size:
+                    self.free.remove(entry)
+                else:
+                    entry[0], entry[1] = offset + size, length - size
+                self.used[offset] = size
+                return offset
+        return None
+
+    def give_back(self, offset: int) -> None:
+        """Return a range to the free list, merged with its free neighbours."""
+        size = self.used.pop(offset)
+        at = 0
+        while at < len(self.free) and self.free[at][0] < offset:
+            at += 1
+        self.free.insert(at, [offset, size])
+        if at + 1 < len(self.free) and offset + size == self.free[at + 1][0]:
+            self.free[at][1] += self.free.pop(at + 1)[1]
+        if at > 0 and self.free[at - 1][0] + self.free[at - 1][1] == offset:
+            self.free[at - 1][1] += self.free.pop(at)[1]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a buffer lives: its chunk and its offset in it."""
+
+    chunk: Chunk
+    offset: int
+    size: int
+
+
+class Arenas:
+    """Every chunk of every (uid, device), and the rules above."""
+
+    def __init__(self, source: ChunkSource, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 cap_per_uid: int | None = None, idle_s: float = DEFAULT_IDLE_S):
+        if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
+            raise ValueError(f"the chunk size must be a positive multiple of {ALIGNMENT} bytes, not {chunk_bytes}")
+        self._source = source
+        self.chunk_bytes = chunk_bytes
+        self.cap_per_uid = cap_per_uid
+        self.idle_s = idle_s
+        self.chunks: dict[int, Chunk] = {}
+        self._ids = itertools.count(1)
+
+    def reserved(self, uid: int | None) -> int:
+        return sum(c.size for c in list(self.chunks.values()) if c.uid == uid)
+
+    def place(self, nbytes: int, device: str, flags: int, uid: int | None) -> Placement:
+        """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
+        size = align(nbytes)
+        if size <= self.chunk_bytes:
+            for chunk in self.chunks.values():
+                if chunk.uid == uid and chunk.device == device and chunk.flags == flags and not chunk.dedicated:
+                    offset = chunk.take(size)
+                    if offset is not None:
+                        return self._hand_out(chunk, offset, size)
+        chunk = self._new_chunk(max(size, self.chunk_bytes), device, flags, uid, dedicated=size > self.chunk_bytes)
+        return self._hand_out(chunk, chunk.take(size), size)
+
+    def _hand_out(self, chunk: Chunk, offset: int, size: int) -> Placement:
+        if chunk.zeroing:
+            self._source.sync(chunk.token)
+            chunk.zeroing = False
+        chunk.empty_since = None
+        return Placement(chunk, offset, size)
+
+    def _new_chunk(self, size: int, device: str, flags: int, uid: int | None, dedicated: bool) -> Chunk:
+        held = self.reserved(uid)
+        if self.cap_per_uid is not None and held + size > self.cap_per_uid:
+            raise OverCap(
+                f"uid {uid} reserves {held} bytes ({human(held)}) of arena chunks and a new one of {size} bytes "
+                f"({human(size)}) on {device} would pass its cap of {self.cap_per_uid} bytes "
+                f"({human(self.cap_per_uid)}) (--arena-max-bytes-per-uid); release buffers it no longer uses"
+            )
+        handle, token = self._source.allocate_chunk(size, device, flags)
+        chunk = Chunk(next(self._ids), uid, device, flags, size, handle, token, dedicated, free=[[0, size]])
+        self.chunks[chunk.id] = chunk
+        return chunk
+
+    def handed(self, placements: list[Placement], pids: list[int]) -> None:
+        """These processes were handed these buffers' chunks and may map them until they exit."""
+        if self._source.free_needs_unmapped:
+            for placement in placements:
+                if not placement.chunk.dedicated:
+                    placement.chunk.mappers.update(pids)
+
+    def process_gone(self, pid: int, now: float) -> list[Chunk]:
+        """A process exited, and its mappings with it; the chunks that could go back now and did."""
+        for chunk in self.chunks.values():
+            chunk.mappers.discard(pid)
+        return self.sweep(now)
+
+    def release(self, placement: Placement, now: float) -> None:
+        """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
+        chunk = placement.chunk
+        if chunk.dedicated or (self.idle_s == 0 and list(chunk.used) == [placement.offset] and not chunk.mappers):
+            chunk.give_back(placement.offset)
+            self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
+            return
+        # zeroed before it rejoins the free list: a range the driver failed to zero is never handed out again
+        self._source.zero(chunk.token, placement.offset, chunk.used[placement.offset])
+        chunk.zeroing = True
+        chunk.give_back(placement.offset)
+        if not chunk.used:
+            chunk.empty_since = now
+
+    def sweep(self, now: float) -> list[Chunk]:
+        """Free the chunks empty for ``idle_s`` or longer; those freed."""
+        idle = [c for c in self.chunks.values()
+                if c.empty_since is not None and now - c.empty_since >= self.idle_s and not c.mappers]
+        for chunk in idle:
+            self._drop(chunk)
+        return idle
+
+    def trim(self) -> list[Chunk]:
+        """Free every empty chunk no live process maps, now (eviction, shutdown); those freed."""
+        empty = [c for c in self.chunks.values() if not c.used and not c.mappers]
+        for chunk in empty:
+            self._drop(chunk)
+        return empty
+
+    def next_sweep(self) -> float | None:
+        """When the next empty chunk turns idle (a monotonic time), or None."""
+        times = [c.empty_since + self.idle_s for c in self.chunks.values() if c.empty_since is not None and not c.mappers]
+        return min(times, default=None)
+
+    def _drop(self, chunk: Chunk) -> None:
+        del self.chunks[chunk.id]
+        if chunk.zeroing:
+            self._source.sync(chunk.token)  # no zeroing may run into memory the driver gave to someone else
+        self._source.free_chunk(chunk.token)
+
+    def usage(self) -> list[dict[str, Any]]:
+        """Reserved vs handed-out bytes by (device, uid): what status and the metrics show."""
+        rows: dict[tuple[str, int | None], dict[str, Any]] = {}
+        for c in list(self.chunks.values()):
+            row = rows.setdefault((c.device, c.uid), {"device": c.device, "uid": c.uid, "chunks": 0,
+                                                      "reserved_bytes": 0, "handed_out_bytes": 0})
+            row["chunks"] += 1
+            row["reserved_bytes"] += c.size
+            row["handed_out_bytes"] += c.handed_out
+        return [rows[k] for k in sorted(rows, key=lambda k: (k[0], -1 if k[1] is None else k[1]))]
+
+
+def describe_usage(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per uid of a device's ``arenas`` (as status reports them), for people."""
+    return [f"arena of uid {r['uid']}: {r['chunks']} chunk(s), {human(r['reserved_bytes'])} reserved, "
+            f"{human(r['handed_out_bytes'])} handed out" for r in rows]

@@ -1,0 +1,211 @@
+"""The arena allocator's rules, against a chunk source that records what it was asked."""
+
+import pytest
+
+from peerd.arena import ALIGNMENT, Arenas, OverCap, align, describe_usage
+
+CHUNK = 64 * ALIGNMENT
+
+
+class Source:
+    """Chunks as bytearrays; zeroing runs when synced, as a device stream would. Like a GPU's, freeing one
+    a process still maps would be undefined (Note [No free under a mapping])."""
+
+    free_needs_unmapped = True
+
+    def __init__(self):
+        self.memory: dict[int, bytearray] = {}
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.freed: list[int] = []
+        self.syncs = 0
+        self._next = 0
+
+    def allocate_chunk(self, nbytes, device, flags):
+        self._next += 1
+        self.memory[self._next] = bytearray(nbytes)
+        return b"chunk%d" % self._next, self._next
+
+    def zero(self, token, offset, nbytes):
+        self.pending.setdefault(token, []).append((offset, nbytes))
+
+    def sync(self, token):
+        self.syncs += 1
+        for offset, nbytes in self.pending.pop(token, []):
+            self.memory[token][offset:offset + nbytes] = bytes(nbytes)
+
+    def free_chunk(self, token):
+        assert not self.pending.get(token), "a chunk freed with zeroing still running"
+        self.freed.append(token)
+        del self.memory[token]
+
+
+@pytest.fixture
+def source():
+    return Source()
+
+
+@pytest.fixture
+def arenas(source):
+    return Arenas(source, CHUNK, cap_per_uid=None, idle_s=10)
+
+
+def test_sizes_are_aligned_not_rounded_to_gpu_pages(arenas):
+    a = arenas.place(1, "gpu0", 0, 1000)
+    b = arenas.place(8192, "gpu0", 0, 1000)
+    c = arenas.place(8193, "gpu0", 0, 1000)
+    assert (a.size, b.size, c.size) == (ALIGNMENT, 8192, 3 * ALIGNMENT)
+    assert [p.offset % ALIGNMENT for p in (a, b, c)] == [0, 0, 0]
+    assert a.chunk is b.chunk is c.chunk and len(arenas.chunks) == 1
+    assert align(0) == 0 and align(ALIGNMENT) == ALIGNMENT
+
+
+def test_eight_ranks_of_8_kib_take_64_kib(arenas):
+    placed = [arenas.place(8 << 10, "gpu0", 0, 1000) for _ in range(8)]
+    assert sum(p.size for p in placed) == 64 << 10
+    assert arenas.usage() == [{"device": "gpu0", "uid": 1000, "chunks": 1, "reserved_bytes": CHUNK,
+                               "handed_out_bytes": 64 << 10}]
+
+
+def test_a_chunk_serves_one_uid_one_device_and_one_kind(arenas):
+    mine = arenas.place(4096, "gpu0", 0, 1000)
+    theirs = arenas.place(4096, "gpu0", 0, 1001)
+    other_device = arenas.place(4096, "gpu1", 0, 1000)
+    fine = arenas.place(4096, "gpu0", 1, 1000)
+    assert len({id(p.chunk) for p in (mine, theirs, other_device, fine)}) == 4
+    assert theirs.chunk.uid == 1001
+
+
+def test_a_freed_range_is_reused_and_reads_zero_once_synced(arenas, source):
+    first = arenas.place(8192, "gpu0", 0, 1000)
+    token = first.chunk.token
+    source.memory[token][first.offset:first.offset + 8192] = b"\xff" * 8192
+    arenas.release(first, now=0)
+    again = arenas.place(8192, "gpu0", 0, 1000)
+    assert again.offset == first.offset and again.chunk is first.chunk
+    assert source.memory[token][again.offset:again.offset + 8192] == bytes(8192)
+
+
+def test_no_sync_when_nothing_was_freed(arenas, source):
+    arenas.place(4096, "gpu0", 0, 1000)
+    arenas.place(4096, "gpu0", 0, 1000)
+    assert source.syncs == 0
+
+
+def test_freed_neighbours_coalesce_into_one_range(arenas):
+    a, b, c = (arenas.place(4 * ALIGNMENT, "gpu0", 0, 1000) for _ in range(3))
+    rest = arenas.place(CHUNK - 12 * ALIGNMENT, "gpu0", 0, 1000)
+    assert rest.chunk is a.chunk and not a.chunk.free
+    arenas.release(a, now=0)
+    arenas.release(c, now=0)
+    arenas.release(b, now=0)
+    assert a.chunk.free == [[0, 12 * ALIGNMENT]]
+    big = arenas.place(12 * ALIGNMENT, "gpu0", 0, 1000)
+    assert big.offset == 0 and big.chunk is a.chunk
+
+
+def test_a_full_chunk_makes_another(arenas):
+    first = arenas.place(CHUNK, "gpu0", 0, 1000)
+    second = arenas.place(4096, "gpu0", 0, 1000)
+    assert second.chunk is not first.chunk and len(arenas.chunks) == 2
+
+
+def test_a_request_bigger_than_a_chunk_gets_its_own_and_frees_it_at_once(arenas, source):
+    big = arenas.place(CHUNK + 1, "gpu0", 0, 1000)
+    assert big.chunk.dedicated and big.chunk.size == CHUNK + ALIGNMENT and big.offset == 0
+    small = arenas.place(4096, "gpu0", 0, 1000)
+    assert small.chunk is not big.chunk
+    arenas.release(big, now=0)
+    assert source.freed == [big.chunk.token] and big.chunk.id not in arenas.chunks
+
+
+def test_the_cap_counts_reserved_chunks_per_uid(source):
+    arenas = Arenas(source, CHUNK, cap_per_uid=CHUNK, idle_s=10)
+    arenas.place(CHUNK, "gpu0", 0, 1000)
+    with pytest.raises(OverCap, match=rf"uid 1000 reserves {CHUNK} bytes .* on gpu1 .* cap of {CHUNK} bytes"):
+        arenas.place(4096, "gpu1", 0, 1000)
+    assert arenas.place(4096, "gpu0", 0, 1001).chunk.uid == 1001  # another uid has its own cap
+    assert len(source.memory) == 2
+
+
+def test_an_empty_chunk_goes_back_only_after_idle_s(arenas, source):
+    p = arenas.place(4096, "gpu0", 0, 1000)
+    arenas.release(p, now=100.0)
+    assert arenas.next_sweep() == 110.0
+    assert arenas.sweep(now=109.9) == [] and len(arenas.chunks) == 1
+    assert [c.token for c in arenas.sweep(now=110.0)] == [p.chunk.token]
+    assert source.freed == [p.chunk.token] and arenas.usage() == [] and arenas.next_sweep() is None
+
+
+def test_a_chunk_used_again_is_not_idle(arenas, source):
+    p = arenas.place(4096, "gpu0", 0, 1000)
+    arenas.release(p, now=0.0)
+    arenas.place(4096, "gpu0", 0, 1000)
+    assert arenas.sweep(now=1000.0) == [] and source.freed == []
+
+
+def test_trim_frees_every_empty_chunk_and_keeps_used_ones(arenas, source):
+    kept = arenas.place(4096, "gpu0", 0, 1000)
+    gone = arenas.place(4096, "gpu1", 0, 1000)
+    arenas.release(gone, now=0.0)
+    assert [c.token for c in arenas.trim()] == [gone.chunk.token]
+    assert list(arenas.chunks.values()) == [kept.chunk]
+
+
+def test_the_chunk_size_must_be_aligned(source):
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        Arenas(source, CHUNK + 1)
+
+
+def test_idle_s_zero_gives_an_emptied_chunk_back_at_once(source):
+    arenas = Arenas(source, CHUNK, idle_s=0)
+    a, b = arenas.place(4096, "gpu0", 0, 1000), arenas.place(4096, "gpu0", 0, 1000)
+    arenas.release(a, now=0)
+    assert source.freed == []
+    arenas.release(b, now=0)
+    assert source.freed == [a.chunk.token] and not arenas.chunks
+
+
+def test_usage_reads_as_one_line_per_uid(arenas):
+    arenas.place(8192, "gpu0", 0, 1000)
+    assert [u for u in arenas.usage()] == [{"device": "gpu0", "uid": 1000, "chunks": 1,
+                                            "reserved_bytes": CHUNK, "handed_out_bytes": 8192}]
+    assert describe_usage(arenas.usage()) == ["arena of uid 1000: 1 chunk(s), 256.0 KiB reserved, 8.0 KiB handed out"]
+
+
+def test_a_range_that_could_not_be_zeroed_is_never_handed_out_again(arenas, source):
+    p = arenas.place(4096, "gpu0", 0, 1000)
+
+    def broken(token, offset, nbytes):
+        raise RuntimeError("the driver refused the memset")
+
+    source.zero = broken
+    with pytest.raises(RuntimeError):
+        arenas.release(p, now=0)
+    assert arenas.place(4096, "gpu0", 0, 1000).offset != p.offset
+
+
+def test_a_shared_chunk_stays_while_a_process_it_was_handed_lives(arenas, source):
+    """Note [No free under a mapping]: empty and idle is not enough while pid 7 may still map it."""
+    a = arenas.place(ALIGNMENT, "gpu0", 0, 1000)
+    arenas.handed([a], [7, 8])
+    arenas.release(a, 0.0)
+    assert arenas.sweep(100.0) == [] and arenas.trim() == [] and arenas.next_sweep() is None
+    assert arenas.process_gone(7, 100.0) == [] and source.freed == []
+    assert [c.id for c in arenas.process_gone(8, 100.0)] == [a.chunk.id] and source.freed == [a.chunk.token]
+
+
+def test_a_dedicated_chunk_goes_back_at_release_whoever_was_handed_it(arenas, source):
+    """Every member unmaps a whole-chunk buffer before its release, so no record is kept for one."""
+    big = arenas.place(2 * CHUNK, "gpu0", 0, 1000)
+    arenas.handed([big], [7])
+    arenas.release(big, 0.0)
+    assert source.freed == [big.chunk.token]
+
+
+def test_where_the_mapping_keeps_memory_alive_chunks_go_back_when_idle(source):
+    source.free_needs_unmapped = False  # memfds
+    arenas = Arenas(source, CHUNK, idle_s=10)
+    a = arenas.place(ALIGNMENT, "host", 0, 1000)
+    arenas.handed([a], [7])
+    arenas.release(a, 0.0)
+    assert [c.id for c in arenas.sweep(10.0)] == [a.chunk.id]
