@@ -182,6 +182,9 @@ class _Atomics:
         lock_free.argtypes, lock_free.restype = [ctypes.c_size_t, vp], ctypes.c_bool
         if not (lock_free(8, None) and lock_free(4, None)):
             raise PageError("libatomic's 8-byte operations are not lock-free here: they cannot cross processes")
+        self.tso = platform.machine() == "x86_64"
+        self._expected = ctypes.c_uint64()
+        self._expected_ref = ctypes.byref(self._expected)
         libc = ctypes.CDLL(None, use_errno=True)
         self.syscall = libc.syscall
         self.syscall.restype = ctypes.c_long
@@ -190,6 +193,34 @@ class _Atomics:
         self.mmap.restype, self.mmap.argtypes = vp, [vp, ctypes.c_size_t, i, i, i, ctypes.c_long]
         self.munmap = libc.munmap
         self.munmap.argtypes = [vp, ctypes.c_size_t]
+
+    # The orders the page needs, each as cheap as the CPU allows. On x86-64 (TSO)
+    # every plain aligned load is an acquire and every plain store a release, so
+    # those cost one ctypes attribute access; only store-then-load needs a
+    # barrier there (the sequentially consistent store is an xchg). On arm64
+    # plain ldr/str order nothing, so libatomic's ldar/stlr and fences do it.
+
+    def store_release(self, word: ctypes.c_uint64, value: int) -> None:
+        if self.tso:
+            word.value = value
+        else:
+            self.store(ctypes.addressof(word), value, _RELEASE)
+
+    def store_seq_cst(self, word: ctypes.c_uint64, value: int) -> None:
+        """A release store that no later load of this thread passes (the Dekker half)."""
+        self.store(ctypes.addressof(word), value, _SEQ_CST)
+
+    def load_seq_cst(self, word: ctypes.c_uint64) -> int:
+        return word.value if self.tso else self.load(ctypes.addressof(word), _SEQ_CST)
+
+    def acquire_fence(self) -> None:
+        """Loads after it see what the stores before a release that earlier loads saw."""
+        if not self.tso:
+            self.fence(_ACQUIRE)
+
+    def compare_exchange(self, word: ctypes.c_uint64, expected: int, desired: int) -> bool:
+        self._expected.value = expected
+        return self.cas(ctypes.addressof(word), self._expected_ref, desired, _SEQ_CST, _SEQ_CST)
 
     def futex_wait(self, address: int, expected: int, seconds: float) -> None:
         """Sleep while the u32 at ``address`` equals ``expected``, at most ``seconds``."""
@@ -282,7 +313,7 @@ class ControlPage:
         for offset, value in ((OFF_VERSION, VERSION), (OFF_INSTANCE, instance), (OFF_NPES, npes),
                               (OFF_GENERATION, generation)):
             page.word(offset).value = value
-        atomics().store(page.address + OFF_MAGIC, MAGIC, _RELEASE)  # the header is complete once magic shows
+        atomics().store_release(page.word(OFF_MAGIC), MAGIC)  # the header is complete once magic shows
         return page
 
     @classmethod
@@ -295,7 +326,8 @@ class ControlPage:
             raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
         page = cls(fd, size)
         try:
-            magic = atomics().load(page.address + OFF_MAGIC, _ACQUIRE)
+            magic = page.word(OFF_MAGIC).value
+            atomics().acquire_fence()
             if magic != MAGIC or page.version != VERSION:
                 raise PageError(f"fd {fd} is not a version-{VERSION} control page (magic {magic:#x})")
             if page.npes > MAX_NPES or page_bytes(page.npes) > size:
@@ -354,7 +386,7 @@ class ControlPage:
             raise ValueError(f"abort code must be in 1..65535, got {code}")
         text = reason.encode()[: REASON_BYTES - 1].decode(errors="ignore").encode()
         ctypes.memmove(self.address + OFF_REASON, text, len(text))
-        atomics().store(self.abort_address, encode_abort(code, text), _RELEASE)
+        atomics().store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text
         self.wake(force=True)
 
     def aborted(self) -> GroupAborted | None:
@@ -362,7 +394,7 @@ class ControlPage:
         word = self.word(OFF_ABORT).value
         if not word:
             return None
-        atomics().fence(_ACQUIRE)
+        atomics().acquire_fence()
         code, length, crc = word & 0xFFFF, (word >> 16) & 0xFFFF, word >> 32
         text = ctypes.string_at(self.address + OFF_REASON, min(length, REASON_BYTES))
         try:
@@ -382,10 +414,13 @@ class ControlPage:
     # ------------------------------------------------------------ futex
 
     def wake(self, force: bool = False) -> None:
-        """Tell sleepers something changed (FUTEX_WAKE only where one sleeps)."""
+        """Tell sleepers that something changed. The change must have been a
+        sequentially consistent store or RMW: then either a sleeper announced
+        itself before this load of ``sleepers``, or its check after announcing
+        sees the change (Note [Control page layout])."""
         a = atomics()
-        a.add32(self.address + OFF_WAKE, 1, _SEQ_CST)
-        if force or a.add32(self.address + OFF_SLEEPERS, 0, _SEQ_CST):  # a seq_cst read of sleepers
+        if force or a.load_seq_cst(self.word(OFF_WAKE)) >> 32:  # sleepers: the upper half of that word
+            a.add32(self.address + OFF_WAKE, 1, _SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
             a.futex_wake(self.address + OFF_WAKE)
 
     def sleep(self, ready, seconds: float) -> None:

@@ -12,7 +12,6 @@ across processes is Note [Control page layout] in peerd.controlpage.
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 from .controlpage import (
@@ -32,7 +31,7 @@ from .controlpage import (
 )
 
 _ROUND_MASK = (1 << ROUND_BITS) - 1
-_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5
+AGREED = Verdict(True)
 
 
 class PageVoter:
@@ -43,46 +42,50 @@ class PageVoter:
             raise ValueError(f"rank {rank} is out of range for the control page's npes={page.npes}")
         self.page, self.rank, self.label, self.spin_s = page, rank, label or "this group", spin_s
         self.rounds = 0
-        self._round_address = page.address + slot_offset(rank)
+        self._round = page.word(slot_offset(rank))
         self._votes = page.word(slot_offset(rank) + 8)
         self._abort = page.word(OFF_ABORT)
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
+        self._ballots = [page.word(slot_offset(r) + 8) for r in range(page.npes)]
+        self._entries = [page.word(verdict_offset(k)) for k in range(RING)]
 
     def agree(self, ok: bool, deadline: float) -> Verdict:
         """Vote ``ok`` in the next round and wait for its verdict, at most
         until monotonic instant ``deadline`` (then the round times out)."""
         k = self.rounds = self.rounds + 1
-        entry = self.page.word(verdict_offset(k))
+        a, page = atomics(), self.page
         bit = 1 << (k % 2)
         self._votes.value = (self._votes.value & ~bit) | (bit if ok else 0)
-        atomics().store(self._round_address, k, _RELEASE)  # the vote first, then the round
-        self.page.wake()
+        a.store_seq_cst(self._round, k)  # the vote first, then the round
+        page.wake()
         if self._abort.value:  # an aborted group passes no round it had not settled
             return self._settle(k, Outcome.ABORTED, self.rank)
-
-        def settled() -> bool:
-            return (entry.value >> 24) == k & _ROUND_MASK or self._behind(entry.value, k)
-
-        def arrived() -> bool:
-            return all(s.value >= k for s in self._slots)
+        entry, slots, abort = self._entries[k % RING], self._slots, self._abort
 
         def ready() -> bool:
-            return settled() or arrived() or bool(self._abort.value)
+            return self._settled(entry.value, k) or all(s.value >= k for s in slots) or bool(abort.value)
 
-        spin_until = time.monotonic() + self.spin_s
+        spin_until = None
         while not ready():
             now = time.monotonic()
             if now >= deadline:
                 return self._settle(k, Outcome.TIMED_OUT, self.rank)
-            if now >= spin_until:
-                self.page.sleep(ready, min(deadline - now, WAIT_SLICE_S))
-        if settled():
-            return self._read(k)
-        if arrived():
-            return self._settle(k, *self._tally(k))
+            if spin_until is None:
+                spin_until = now + self.spin_s
+            elif now >= spin_until:
+                page.sleep(ready, min(deadline - now, WAIT_SLICE_S))
+        if all(s.value >= k for s in slots):
+            a.acquire_fence()  # pairs with each voter's release: the ballots are round k's
+            agreed = all(b.value & bit for b in self._ballots)
+            return self._settle(k, Outcome.AGREED if agreed else Outcome.VOTED_NO, self.rank)
         return self._settle(k, Outcome.ABORTED, self.rank)
 
     # ------------------------------------------------------------ verdicts
+
+    @classmethod
+    def _settled(cls, word: int, k: int) -> bool:
+        """The entry holds round k's verdict, or a later round's (k's was settled long ago)."""
+        return (word >> 24) == k & _ROUND_MASK or cls._behind(word, k)
 
     @staticmethod
     def _behind(word: int, k: int) -> bool:
@@ -90,41 +93,39 @@ class PageVoter:
         ahead = (word >> 24) - (k & _ROUND_MASK)
         return 0 < ahead % (1 << ROUND_BITS) < 1 << (ROUND_BITS - 1)
 
-    def _tally(self, k: int) -> tuple[Outcome, int]:
-        """Every slot reached k: the AND of round k's votes, and the first rank that voted no."""
-        no = self._no_votes(k)
-        return (Outcome.VOTED_NO, no[0]) if no else (Outcome.AGREED, self.rank)
-
     def _no_votes(self, k: int) -> list[int]:
         """Ranks whose votes word still holds round k (slot at k or k + 1) and says no."""
-        atomics().fence(_ACQUIRE)  # pairs with each voter's release: the votes word is round k's or later
+        atomics().acquire_fence()  # pairs with each voter's release: the votes word is round k's or later
         bit = 1 << (k % 2)
         return [r for r, s in enumerate(self._slots)
-                if s.value - k in (0, 1) and not self.page.word(slot_offset(r) + 8).value & bit]
+                if s.value - k in (0, 1) and not self._ballots[r].value & bit]
 
     def _settle(self, k: int, outcome: Outcome, rank: int) -> Verdict:
-        """Propose ``outcome`` for round k; the first proposal wins, for every rank."""
+        """Propose ``outcome`` for round k; the first proposal wins, for every rank.
+        A proposal from the votes is sound whenever it can win: while k's entry is
+        empty no rank has passed round k, so no slot is past k + 1 and every
+        votes word still holds round k's bit."""
         a = atomics()
-        address = self.page.address + verdict_offset(k)
+        entry = self._entries[k % RING]
         proposal = encode_verdict(k, outcome, rank)
-        while True:
-            current = a.load(address, _ACQUIRE)
-            if (current >> 24) == k & _ROUND_MASK or self._behind(current, k):
-                break
-            if a.cas(address, ctypes.byref(ctypes.c_uint64(current)), proposal, _SEQ_CST, _SEQ_CST):
+        current = entry.value
+        while not self._settled(current, k):
+            if a.compare_exchange(entry, current, proposal):
                 if outcome in (Outcome.TIMED_OUT, Outcome.ABORTED):
                     self.page.wake()  # waiters of round k learn it from the entry
                 break
+            current = entry.value
+        a.acquire_fence()
         return self._read(k)
 
     def _read(self, k: int) -> Verdict:
-        word = self.page.word(verdict_offset(k)).value
+        word = self._entries[k % RING].value
+        if (word >> 16) & 0xFF == Outcome.AGREED and (word >> 24) == k & _ROUND_MASK:
+            return AGREED
         if self._behind(word, k):
             return Verdict(False, f"agreement round {k} of {self.label} was settled and forgotten: rank "
                                   f"{self.rank} is more than {RING} rounds behind its peers")
         _, outcome, rank = decode_verdict(word)
-        if outcome == Outcome.AGREED:
-            return Verdict(True)
         if outcome == Outcome.VOTED_NO:
             ranks = self._no_votes(k) or [rank]
             return Verdict(False, f"agreement round {k} of {self.label}: rank(s) {ranks} voted no")
