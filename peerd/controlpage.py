@@ -10,6 +10,23 @@ device mapping of the page, peerd_client.hostmap) exit.
 Standard library only (ctypes, mmap, os, zlib): the daemon and workers both
 import it, and neither may pay for torch or zmq here.
 
+Who calls what:
+
+* daemon, when a group's buffer set is created: ``ControlPage.create(npes,
+  instance, generation)`` (``instance`` = ``new_instance_id()``, drawn once
+  per daemon run); one page per set generation, so a rank that replaces a
+  dead one starts on a fresh page with fresh rounds.
+* daemon, to each member once its join is accepted: ``page.fd`` through the
+  fd channel (SCM_RIGHTS), with ``instance`` and ``generation`` in the reply.
+* member: ``ControlPage.attach(fd, npes=npes, instance=hello_instance)`` (a
+  StaleInstance or PageError falls back to the message path with one
+  WARNING), then ``PageVoter(page, rank, label)`` for tp_agree and
+  ``peerd_client.hostmap.MappedPage(page, device)`` for kernels.
+* daemon: ``page.abort(AbortCode.MEMBER_DIED | EVICTED | SET_FAILED |
+  SHUTDOWN, reason)`` when a member dies, before an evict frees anything,
+  when a set of the group fails, and at shutdown; ``page.close()`` once
+  the set is freed.
+
 Note [Control page layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 Byte offsets; every word is little-endian and naturally aligned::
@@ -33,20 +50,27 @@ Write order and why nobody reads half a write:
 
 * A slot has one writer, its rank. To vote in round k it first stores the
   vote bit (keeping bit (k - 1) % 2, the previous round's vote, intact), then
-  stores ``round = k`` after a release fence. A reader that sees round >= k
-  issues an acquire fence before it reads the votes word, so it sees the
-  vote of round k (or of k + 1 in the other bit). Aligned 8-byte loads and
-  stores are single instructions on x86-64 and arm64 (``mov``/``ldr``/``str``
-  of an aligned u64 are single-copy atomic), so a word is never seen torn;
-  the fences order the two words. A rank's votes word holds two rounds
-  because no rank's slot can pass round k + 1 before round k is settled (see
-  below), and a rank waiting in round k reads votes only while no verdict
-  for k exists.
-* The abort word is written last: first the reason text, then a release
-  fence, then the word, whose crc32 and length describe the text. A reader
-  that sees a non-zero word (acquire fence) reads a complete reason; if two
-  aborts race and the text is another's, the crc says so and the reader
-  reports the code alone. Kernels only test the word for non-zero.
+  stores ``round = k`` with release semantics (sequentially consistent, for
+  the wake below). A reader that sees round >= k issues an acquire fence
+  before it reads the votes word, so it sees the vote of round k (or of
+  k + 1 in the other bit). Aligned 8-byte loads and stores are single
+  instructions on x86-64 and arm64 (``mov``/``ldr``/``str`` of an aligned
+  u64 are single-copy atomic), so a word is never seen torn, half old and
+  half new; the release/acquire pair orders the two words. Python reaches
+  the words through ``ctypes.c_uint64.from_address(...).value``, one aligned
+  load or store. On x86-64 (TSO) such a load is already an acquire and such
+  a store a release, so those cost nothing more; the sequentially consistent
+  store is libatomic's (an xchg). On arm64 plain ``ldr``/``str`` order
+  nothing, so the release stores and acquire fences are libatomic calls.
+  A rank's votes word holds two rounds because no rank's slot can pass
+  round k + 1 before round k is settled (see below), and a rank proposes a
+  verdict from the votes only while round k's entry is empty.
+* The abort word is written last: first the reason text, then the word
+  (a sequentially consistent store, so the text precedes it), whose crc32
+  and length describe the text. A reader that sees a non-zero word issues
+  an acquire fence and reads a complete reason; if two aborts race and the
+  text is another's, the crc says so and the reader reports the code alone.
+  Kernels only test the word for non-zero.
 * The verdict of round k is decided once, by compare-and-swap (libatomic's
   ``__atomic_compare_exchange_8``, lock-free on 8 aligned bytes) into its
   ring entry: the first rank to propose wins and every rank answers what the
@@ -63,17 +87,27 @@ its entry holds a verdict, and a verdict other than TIMEOUT or ABORTED needs
 every slot at k, so a rank is at most one round ahead of the slowest one
 (it waits), except past rounds that timed out. A rank that timed out in
 round k calls again in round k + 1 while a peer is still in round k: the
-peer finds round k's verdict TIMEOUT and answers False at once; round k + 1
-then proceeds normally. A rank more than RING rounds behind the latest
+peer finds round k's verdict TIMEOUT and answers False at once (and so on
+for every round that timed out while it was away); round k + 1 then
+proceeds normally. A rank more than RING rounds behind the latest
 verdict finds its round's entry reused and answers False (the daemon path
 keeps 64 settled rounds too).
 
 The wait: spin SPIN_S, then FUTEX_WAIT on ``wake`` (a shared futex, not
 FUTEX_PRIVATE: the waiters are different processes) until the deadline, in
 slices of at most WAIT_SLICE_S, so a waiting rank does not burn a core.
-Every publish bumps ``wake`` and calls FUTEX_WAKE when ``sleepers`` is
-non-zero; a sleeper announces itself before its last check, and the bump
-and the sleepers load are sequentially consistent, so no wake is lost.
+A sleeper reads ``wake``, increments ``sleepers`` (a sequentially consistent
+RMW), checks once more, then waits on the value it read. Every change a
+waiter waits for (a vote, a verdict, the abort) is a sequentially consistent
+store or CAS followed by a load of ``sleepers``; only when it is non-zero
+does the writer bump ``wake`` and call FUTEX_WAKE. Either the writer sees
+the sleeper, or the sleeper's last check sees the change (neither load can
+pass the other side's store: Dekker's argument), so no wake is lost, and a
+round without sleepers costs no system call.
+
+Requirements: x86-64 or arm64 Linux and libatomic.so.1 (lock-free 8-byte
+operations); where they are missing, or memfd_create or mmap fails, this
+module raises PageError and the caller keeps the daemon's message path.
 
 Trust: every member maps the page read-write. A member writing garbage can
 only make its own group's rounds False, time out, or abort its own group;
