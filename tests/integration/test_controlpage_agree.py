@@ -85,6 +85,15 @@ def test_every_rank_gets_the_and_of_every_round(page_of, npes):
         assert r["rounds"] == rounds and r["failures"] == [], r["failures"]
 
 
+@pytest.mark.parametrize("npes", [2, 4])
+def test_rounds_that_time_out_at_random_get_one_verdict_on_every_rank(page_of, npes):
+    page = page_of(npes)
+    procs = [start(page, r, "--rounds", "400", "--jitter", "7") for r in range(npes)]
+    results = [summary(p) for p in procs]
+    assert all(r["failures"] == [] for r in results), [r["failures"] for r in results]
+    assert len({r["verdicts"] for r in results}) == 1, "a round's verdict is one for every rank, timed out or not"
+
+
 def test_a_killed_rank_and_the_abort_wake_every_waiter_with_the_reason(page_of):
     page = page_of(4)
     procs = [start(page, r, "--rounds", "21", "--report", "21") for r in range(3)]
