@@ -85,7 +85,7 @@ from dataclasses import dataclass
 
 import torch
 
-from peerd.controlpage import GroupAborted
+from peerd.controlpage import ControlPage, GroupAborted
 
 from .errors import MonoUnsupported
 
@@ -162,6 +162,9 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     if x.device.type == "cpu":
         _host(buf, layout, x, out, timeout if deadline is None else deadline, abort)
         return out
+    if isinstance(abort, ControlPage):
+        raise TypeError("a kernel cannot read the control page at its host address: pass "
+                        "peerd_client.hostmap.MappedPage(page, device) as abort")
     checked = status is None and (abort is not None or deadline is not None)
     if status is None:
         status = torch.empty(1, dtype=torch.int32, device=x.device)

@@ -168,3 +168,11 @@ def test_an_instance_the_client_does_not_expect_is_refused(page_of):
     )
     assert proc.returncode != 0 and "StaleInstance" in proc.stderr and "restarted" in proc.stderr
     assert os.fstat(page.fd).st_size == page.size
+
+
+def test_a_kernel_is_never_given_the_page_at_its_host_address(page_of):
+    page = page_of(1)
+    (buf,) = fake_buffers(1, 8192)
+    buf.addresses = buf.addresses.to("meta")  # any device but the host: the kernel path
+    with pytest.raises(TypeError, match="MappedPage"):
+        all_reduce(buf, torch.ones(4, device="meta"), abort=page)
