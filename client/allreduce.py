@@ -278,12 +278,12 @@ if triton is not None:
             failed = tl.where(_abort_word(abort_address, IS_HIP) != 0, 1, failed)  # ABORTED
         if HAS_DEADLINE:
             limit = _globaltimer() + deadline_ns
-        local = tl.load(addresses_ptr + rank)
-        epoch_ptr = local.to(tl.pointer_type(tl.int64))
-        epoch = tl.load(epoch_ptr) + 1
-        parity = epoch % 2
-        offsets = tl.arange(0, BLOCK)
-        if failed == 0:
+        if failed == 0:  # an aborted group's memory may be freed already: touch none of it
+            local = tl.load(addresses_ptr + rank)
+            epoch_ptr = local.to(tl.pointer_type(tl.int64))
+            epoch = tl.load(epoch_ptr) + 1
+            parity = epoch % 2
+            offsets = tl.arange(0, BLOCK)
             mine = tl.multiple_of((local + header + parity * slot).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
             for start in range(0, n, BLOCK):
                 mask = start + offsets < n
@@ -304,14 +304,14 @@ if triton is not None:
                         failed = tl.where(_globaltimer() > limit, 2, failed)  # TIMED_OUT
             tl.debug_barrier()  # the acquires precede every thread's reads
 
-        if failed == 0:
-            for start in range(0, n, BLOCK):
-                mask = start + offsets < n
-                total = tl.zeros([BLOCK], dtype=tl.float32)
-                for peer in tl.static_range(NPES):
-                    base = tl.load(addresses_ptr + peer) + header + parity * slot
-                    theirs = tl.multiple_of(base.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
-                    total += tl.load(theirs + start + offsets, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(epoch_ptr, epoch)
+            if failed == 0:
+                for start in range(0, n, BLOCK):
+                    mask = start + offsets < n
+                    total = tl.zeros([BLOCK], dtype=tl.float32)
+                    for peer in tl.static_range(NPES):
+                        base = tl.load(addresses_ptr + peer) + header + parity * slot
+                        theirs = tl.multiple_of(base.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+                        total += tl.load(theirs + start + offsets, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(epoch_ptr, epoch)
         tl.store(status_ptr, failed)

@@ -109,9 +109,14 @@ Requirements: x86-64 or arm64 Linux and libatomic.so.1 (lock-free 8-byte
 operations); where they are missing, or memfd_create or mmap fails, this
 module raises PageError and the caller keeps the daemon's message path.
 
-Trust: every member maps the page read-write. A member writing garbage can
-only make its own group's rounds False, time out, or abort its own group;
-the page is sealed against resizing (a shrunk memfd would SIGBUS the daemon).
+Trust: every member maps the page read-write, so a member can forge any
+answer of its own group's rounds (True included, by writing a peer's slot
+or a verdict), time them out, abort the group, or (faking ``sleepers``)
+make its peers' votes pay a FUTEX_WAKE each, as a sleeper that died inside
+FUTEX_WAIT does. That is no new power: a member already maps every peer's
+buffer read-write. It reaches no other group (it holds no other group's
+fd), and the page is sealed against resizing (a shrunk memfd would SIGBUS
+the daemon and the peers).
 """
 
 from __future__ import annotations
@@ -351,10 +356,12 @@ class ControlPage:
         return page
 
     @classmethod
-    def attach(cls, fd: int, npes: int | None = None, instance: int | None = None) -> "ControlPage":
+    def attach(cls, fd: int, npes: int | None = None, instance: int | None = None,
+               generation: int | None = None) -> "ControlPage":
         """Map a page received as ``fd`` and check it: a control page of this
-        layout, at least its own size, of ``npes`` ranks and made by daemon
-        run ``instance`` where given (StaleInstance otherwise)."""
+        layout, at least its own size, of ``npes`` ranks, made by daemon run
+        ``instance`` (StaleInstance otherwise) for set ``generation``, each
+        where given."""
         size = os.fstat(fd).st_size
         if size < OFF_SLOTS + SLOT_BYTES:
             raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
@@ -370,6 +377,8 @@ class ControlPage:
                 raise PageError(f"the control page is for npes={page.npes}, this group has npes={npes}")
             if instance is not None:
                 page.check_instance(instance)
+            if generation is not None and page.generation != generation:
+                raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
         except BaseException:
             page.close()
             raise

@@ -55,6 +55,8 @@ def test_the_header_says_what_made_the_page_and_attach_checks_it(pages):
     assert (other.version, other.instance, other.npes, other.generation) == (cp.VERSION, 0xABCDEF, 4, 7)
     with pytest.raises(PageError, match="npes=4, this group has npes=2"):
         ControlPage.attach(os.dup(page.fd), npes=2)
+    with pytest.raises(PageError, match="set generation 7, not 8"):
+        ControlPage.attach(os.dup(page.fd), generation=8)
     with pytest.raises(StaleInstance, match="daemon instance 0xabcdef, but the daemon now is instance 0x1"):
         ControlPage.attach(os.dup(page.fd), instance=1)
     fd = os.memfd_create("not-a-page")
