@@ -98,12 +98,16 @@ FUTEX_PRIVATE: the waiters are different processes) until the deadline, in
 slices of at most WAIT_SLICE_S, so a waiting rank does not burn a core.
 A sleeper reads ``wake``, increments ``sleepers`` (a sequentially consistent
 RMW), checks once more, then waits on the value it read. Every change a
-waiter waits for (a vote, a verdict, the abort) is a sequentially consistent
-store or CAS followed by a load of ``sleepers``; only when it is non-zero
-does the writer bump ``wake`` and call FUTEX_WAKE. Either the writer sees
-the sleeper, or the sleeper's last check sees the change (neither load can
-pass the other side's store: Dekker's argument), so no wake is lost, and a
-round without sleepers costs no system call.
+waiter waits for (the last vote of a round, a verdict, the abort) is a
+sequentially consistent store or CAS followed by a load of ``sleepers``;
+only when it is non-zero does the writer bump ``wake`` and call FUTEX_WAKE.
+Either the writer sees the sleeper, or the sleeper's last check sees the
+change (neither load can pass the other side's store: Dekker's argument),
+so no wake is lost, and a round without sleepers costs no system call.
+Only a vote after which every slot shows the round wakes anyone (waiters
+wait for all slots): of two last voters racing, each loads the other's
+slot after its own store, so at least one sees both and wakes. So a round
+costs one FUTEX_WAKE at most, not one per rank.
 
 Requirements: x86-64 or arm64 Linux and libatomic.so.1 (lock-free 8-byte
 operations); where they are missing, or memfd_create or mmap fails, this
@@ -246,8 +250,11 @@ class _Atomics:
             self.store(ctypes.addressof(word), value, _RELEASE)
 
     def store_seq_cst(self, word: ctypes.c_uint64, value: int) -> None:
-        """A release store that no later load of this thread passes (the Dekker half)."""
+        """A release store that no later load of this thread passes (the Dekker half):
+        an xchg on x86-64; on arm64 stlr and a full fence, since plain loads follow."""
         self.store(ctypes.addressof(word), value, _SEQ_CST)
+        if not self.tso:
+            self.fence(_SEQ_CST)
 
     def load_seq_cst(self, word: ctypes.c_uint64) -> int:
         return word.value if self.tso else self.load(ctypes.addressof(word), _SEQ_CST)

@@ -57,10 +57,11 @@ class PageVoter:
         bit = 1 << (k % 2)
         self._votes.value = (self._votes.value & ~bit) | (bit if ok else 0)
         a.store_seq_cst(self._round, k)  # the vote first, then the round
-        page.wake()
-        if self._abort.value:  # an aborted group passes no round it had not settled
-            return self._settle(k, Outcome.ABORTED, self.rank)
         entry, slots, abort = self._entries[k % RING], self._slots, self._abort
+        if all(s.value >= k for s in slots):  # the last vote of the round: waiters may go
+            page.wake()
+        if abort.value:  # an aborted group passes no round it had not settled
+            return self._settle(k, Outcome.ABORTED, self.rank)
 
         def ready() -> bool:
             return self._settled(entry.value, k) or all(s.value >= k for s in slots) or bool(abort.value)

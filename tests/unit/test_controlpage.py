@@ -128,7 +128,13 @@ def test_a_rank_far_behind_finds_its_round_forgotten(pages):
     assert verdict.ok is False and f"more than {cp.RING} rounds behind" in verdict.reason
 
 
-def test_an_abort_wakes_a_sleeping_waiter_and_every_later_round_is_false(pages):
+@pytest.fixture
+def no_slices(monkeypatch):
+    """Sleepers wait for their wake alone: a lost wake would hang the test, not end a 50 ms slice."""
+    monkeypatch.setattr("peerd.pageagree.WAIT_SLICE_S", 600.0)
+
+
+def test_an_abort_wakes_a_sleeping_waiter_and_every_later_round_is_false(pages, no_slices):
     page = pages(2)
     waiter = PageVoter(twin(page), 0, spin_s=0)
     got = []
@@ -143,7 +149,7 @@ def test_an_abort_wakes_a_sleeping_waiter_and_every_later_round_is_false(pages):
     assert "MEMBER_DIED" in waiter.agree(True, time.monotonic() + 600).reason
 
 
-def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages):
+def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages, no_slices):
     page = pages(2)
     sleeper, voter = PageVoter(twin(page), 0, spin_s=0), PageVoter(page, 1)
     got = []
@@ -154,6 +160,7 @@ def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages):
     assert voter.agree(False, time.monotonic() + 600) == cp.Verdict(False, "agreement round 1 of this group: "
                                                                            "rank(s) [1] voted no")
     t.join(60)
+    assert not t.is_alive(), "the last vote woke the sleeper"
     assert got == [cp.Verdict(False, "agreement round 1 of this group: rank(s) [1] voted no")]
     assert ctypes.c_uint32.from_address(page.address + cp.OFF_SLEEPERS).value == 0
 
