@@ -22,10 +22,13 @@ Who calls what:
   StaleInstance or PageError falls back to the message path with one
   WARNING), then ``PageVoter(page, rank, label)`` for tp_agree and
   ``peerd_client.hostmap.MappedPage(page, device)`` for kernels.
-* daemon: ``page.abort(AbortCode.MEMBER_DIED | EVICTED | SET_FAILED |
-  SHUTDOWN, reason)`` when a member dies, before an evict frees anything,
-  when a set of the group fails, and at shutdown; ``page.close()`` once
-  the set is freed.
+* daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
+  SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
+  evict frees anything, when a set of the group fails, and at shutdown;
+  ``page.close()`` once the set is freed (members keep their own mappings).
+* every rank of a group must take the same path (page or messages): the
+  choice belongs in the set's commit vote, so one rank that cannot map the
+  page moves the whole group to the message path.
 
 Note [Control page layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -164,6 +167,7 @@ class AbortCode(enum.IntEnum):
     SET_FAILED = 3
     SHUTDOWN = 4
     MEMBER_ABORTED = 5  # a member gave up on its group itself
+    MEMBER_LEFT = 6  # a member released its buffers while its peers still hold theirs
 
 
 class Outcome(enum.IntEnum):
