@@ -134,7 +134,6 @@ import fcntl
 import mmap
 import os
 import platform
-import time
 import zlib
 from dataclasses import dataclass
 
@@ -154,7 +153,7 @@ OFF_SLOTS = 1024
 SLOT_BYTES = 64
 
 ROUND_BITS = 40  # 10^12 rounds: centuries at one round per decode step
-_RELAXED, _ACQUIRE, _RELEASE, _SEQ_CST = 0, 2, 3, 5
+_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # C11 memory orders, as libatomic takes them
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # without FUTEX_PRIVATE_FLAG: shared between processes
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
 

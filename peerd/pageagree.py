@@ -79,7 +79,7 @@ class PageVoter:
             a.acquire_fence()  # pairs with each voter's release: the ballots are round k's
             agreed = all(b.value & bit for b in self._ballots)
             return self._settle(k, Outcome.AGREED if agreed else Outcome.VOTED_NO, self.rank)
-        return self._settle(k, Outcome.ABORTED, self.rank)
+        return self._settle(k, Outcome.ABORTED, self.rank)  # or round k was settled: its verdict stands
 
     # ------------------------------------------------------------ verdicts
 
