@@ -33,7 +33,8 @@ def page_worker(rank, npes, args, start: C.Start, port, results, owner: int, fd:
 
         C.init_gloo(port, rank, npes)
         page = ControlPage.attach(os.open(f"/proc/{owner}/fd/{fd}", os.O_RDWR), npes=npes)
-        voter = PageVoter(page, rank, label=f"group=bench-{npes}", spin_s=args.spin_us * 1e-6)
+        spin = None if args.spin_us is None else args.spin_us * 1e-6
+        voter = PageVoter(page, rank, label=f"group=bench-{npes}", spin_s=spin)
         timed = AL.time_paths({"page": lambda: voter.agree(True, time.monotonic() + 60).ok,
                                "gloo": AL.gloo_round()}, rank, args, start)
         results.put((rank, *timed, None))
@@ -52,8 +53,8 @@ def main() -> None:
     parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
     parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
     parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--spin-us", type=float, default=20.0, help="microseconds a waiting rank spins before it "
-                                                                     "sleeps on the futex")
+    parser.add_argument("--spin-us", type=float, default=None, help="microseconds a waiting rank spins before it "
+                        "sleeps on the futex (default: peerd.controlpage.spin_budget)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -96,7 +96,9 @@ proceeds normally. A rank more than RING rounds behind the latest
 verdict finds its round's entry reused and answers False (the daemon path
 keeps 64 settled rounds too).
 
-The wait: spin SPIN_S, then FUTEX_WAIT on ``wake`` (a shared futex, not
+The wait: spin (``spin_budget``: long where every rank can have a core of
+its own, short where ranks share cores and a spinner steals its peer's
+time), then FUTEX_WAIT on ``wake`` (a shared futex, not
 FUTEX_PRIVATE: the waiters are different processes) until the deadline, in
 slices of at most WAIT_SLICE_S, so a waiting rank does not burn a core.
 A sleeper reads ``wake``, increments ``sleepers`` (a sequentially consistent
@@ -142,7 +144,7 @@ VERSION = 1
 RING = 64
 MAX_NPES = 1024
 REASON_BYTES = 256
-SPIN_S = 20e-6
+SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
@@ -294,6 +296,12 @@ def atomics() -> _Atomics:
 def page_bytes(npes: int) -> int:
     """The page's size for ``npes`` ranks: whole pages."""
     return -(-(OFF_SLOTS + SLOT_BYTES * npes) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def spin_budget(npes: int) -> float:
+    """Seconds a waiting rank spins before it sleeps: long when this process may
+    run on at least two cores per rank, else short (oversubscribed)."""
+    return SPIN_OWN_CORE_S if len(os.sched_getaffinity(0)) >= 2 * npes else SPIN_SHARED_S
 
 
 def new_instance_id() -> int:

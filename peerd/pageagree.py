@@ -18,7 +18,6 @@ from .controlpage import (
     OFF_ABORT,
     RING,
     ROUND_BITS,
-    SPIN_S,
     WAIT_SLICE_S,
     ControlPage,
     Outcome,
@@ -27,6 +26,7 @@ from .controlpage import (
     decode_verdict,
     encode_verdict,
     slot_offset,
+    spin_budget,
     verdict_offset,
 )
 
@@ -37,10 +37,11 @@ AGREED = Verdict(True)
 class PageVoter:
     """One rank's agreement rounds on ``page``; it counts this rank's calls."""
 
-    def __init__(self, page: ControlPage, rank: int, label: str = "", spin_s: float = SPIN_S):
+    def __init__(self, page: ControlPage, rank: int, label: str = "", spin_s: float | None = None):
         if not 0 <= rank < page.npes:
             raise ValueError(f"rank {rank} is out of range for the control page's npes={page.npes}")
-        self.page, self.rank, self.label, self.spin_s = page, rank, label or "this group", spin_s
+        self.page, self.rank, self.label = page, rank, label or "this group"
+        self.spin_s = spin_budget(page.npes) if spin_s is None else spin_s
         self.rounds = 0
         self._round = page.word(slot_offset(rank))
         self._votes = page.word(slot_offset(rank) + 8)

@@ -173,3 +173,8 @@ def test_the_first_proposal_settles_a_round_for_everyone(pages):
     later = b._settle(5, Outcome.AGREED, 1)
     assert later.ok is False and "round 5 of this group timed out: rank 0 stopped waiting" in later.reason, \
         "a later proposal loses to the settled verdict"
+
+
+def test_a_rank_spins_long_only_where_every_rank_can_have_two_cores(monkeypatch):
+    monkeypatch.setattr(cp.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cp.spin_budget(8) == cp.SPIN_OWN_CORE_S > cp.spin_budget(9) == cp.SPIN_SHARED_S
