@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from peerd.controlpage import AbortCode, ControlPage, new_instance_id
-from tests.conftest import finish
 from tests.gpu.test_cuda import REASON, cuda_daemon  # noqa: F401 (the fixture)
 from tests.integration.test_controlpage_agree import abort_from_another_process
 
@@ -44,8 +43,16 @@ def announced(proc: subprocess.Popen, what: str) -> None:
     assert line and what in json.loads(line), f"{line!r}: {proc.stderr.read() if not line else ''}"
 
 
+def result(proc: subprocess.Popen) -> dict:
+    """The rank's last line (read line by line: its first lines were read so already)."""
+    line = proc.stdout.readline()
+    assert line, f"rank exited {proc.wait(timeout=120)}: {proc.stderr.read()}"
+    proc.wait(timeout=120)
+    return json.loads(line)
+
+
 def check_waiters(waiters, raised: str, reason: str) -> None:
-    for r in (finish(p, timeout=120) for p in waiters):
+    for r in map(result, waiters):
         assert r["raised"] is not None and r["raised"]["type"] == raised and reason in r["raised"]["message"], r
         assert r["after"] == {"kernel": 2000.0, "allocation": 1, "sum": float(len(waiters))}, r
 
