@@ -23,6 +23,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
 step 40  $PY bench/gpu_footprint.py --out "$OUTDIR"
 step 90  $PY bench/setup_latency.py --backend cuda --iters ${SETUP_ITERS:-15} --out "$OUTDIR"
 step 70  $PY bench/agree_latency.py --backend cuda --rounds 2000 --sync-rounds 300 --out "$OUTDIR"
+step 60  $PY bench/agree_page.py --rounds 100000 --sync-rounds 400 --out "$OUTDIR"
 step 25  $PY bench/status_latency.py --backend cuda --cli-iters 5 --out "$OUTDIR"
 step 70  $PY bench/failure_latency.py --ranks 8 --repeats 2 --seed-repeats 1 --seed-timeout 5 --out "$OUTDIR"
 if [ -n "$RUN_THROUGHPUT" ]; then
