@@ -59,7 +59,9 @@ forever, as in vLLM's custom all-reduce. Two ways out, both optional:
 
 ``abort``: the group's abort word (a peerd.controlpage.ControlPage on the
     host; a peerd_client.hostmap.MappedPage, the same page mapped into the
-    device's address space, on a GPU). The kernel loads it with system-scope
+    device's address space, on a GPU). By default the buffer's own
+    (``buf.abort_source``, set up by PeerBuffer where the group has a
+    control page); ``abort=None`` polls nothing. The kernel loads it with system-scope
     acquire loads before step 1 (an aborted group's memory may be freed: its
     kernel touches none) and in every spin of step 3, and the host twin
     checks it in every poll. On abort the call stops where it is and raises
@@ -103,6 +105,7 @@ BLOCK = 4096  # elements a CTA moves per step
 NUM_WARPS = 16
 HOST_POLL_S = 20e-6  # a waiting host rank sleeps, so ranks sharing few cores still progress
 DONE, ABORTED, TIMED_OUT = 0, 1, 2  # the kernel's status
+BUFFERS_PAGE = object()  # all_reduce's default abort: the buffer's control page, where its group has one
 
 
 @dataclass(frozen=True)
@@ -133,15 +136,19 @@ def capacity(buf) -> int:
 
 
 def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout: float = DEFAULT_DEADLINE_S,
-               abort=None, deadline: float | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
+               abort=BUFFERS_PAGE, deadline: float | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
     """Sum ``x`` over every rank of ``buf``'s group into ``out`` (a new tensor
     when None; ``out=x`` reduces in place) and return it.
 
     Collective: every rank calls it with the same numel and dtype. ``timeout``
     bounds the host backend's wait for a peer (TimeoutError) where no
     ``deadline`` is given; a GPU kernel without ``deadline`` waits as long as
-    it takes. ``abort``, ``deadline`` and ``status``: see the module docstring.
+    it takes. ``abort``, ``deadline`` and ``status``: see the module docstring;
+    by default ``abort`` is the buffer's own control page (``buf.abort_source``),
+    None polls nothing.
     """
+    if abort is BUFFERS_PAGE:
+        abort = getattr(buf, "abort_source", None)
     layout = Layout(buf.npes, buf.nbytes)
     out = torch.empty_like(x) if out is None else out
     if x.dtype not in DTYPES:

@@ -48,6 +48,8 @@ Byte offsets; every word is little-endian and naturally aligned::
     1024  slot[r]      64 bytes (one cache line) per rank r:
                          +0 round  u64  the last round r voted in
                          +8 votes  u64  bit (k % 2): r's vote in round k
+                         +16 mapped u64  READY once r mapped the page, before
+                                         its commit vote (see "The choice" below)
 
 Write order and why nobody reads half a write:
 
@@ -84,6 +86,14 @@ Write order and why nobody reads half a write:
   later, and a rank can never get True for a round another rank was told
   timed out. Plain loads and stores cannot decide this (two ranks, one
   timing out as the other arrives, would each see what suits them).
+
+The choice: every rank of a set takes the same path, page or messages. A
+member that attached the page (and, on a GPU, registered it) stores READY
+in its ``mapped`` word before it sends its commit vote; once the commit
+verdict is in, every vote, so every such store, happened before any rank
+reads the marks, and every rank reads the same ones: all READY, the page;
+any missing, messages (a rank without the page has no page to read). The
+commit verdict is the barrier; the daemon need not know the choice.
 
 Rounds: the k-th call of a rank is round k. A rank passes round k only once
 its entry holds a verdict, and a verdict other than TIMEOUT or ABORTED needs
@@ -135,9 +145,10 @@ import enum
 import fcntl
 import mmap
 import os
-import platform
 import zlib
 from dataclasses import dataclass
+
+from .atomics import SEQ_CST, PageError, atomics
 
 MAGIC = int.from_bytes(b"peerdCP1", "little")
 VERSION = 1
@@ -155,9 +166,6 @@ OFF_SLOTS = 1024
 SLOT_BYTES = 64
 
 ROUND_BITS = 40  # 10^12 rounds: centuries at one round per decode step
-_ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5  # C11 memory orders, as libatomic takes them
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # without FUTEX_PRIVATE_FLAG: shared between processes
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
 
 
 class AbortCode(enum.IntEnum):
@@ -180,10 +188,6 @@ class Outcome(enum.IntEnum):
     ABORTED = 4
 
 
-class PageError(RuntimeError):
-    """The page cannot be made, mapped or trusted; the caller falls back to the message path."""
-
-
 class GroupAborted(RuntimeError):
     """The group's abort word is set: ``code`` (AbortCode or a number) and ``reason``."""
 
@@ -202,97 +206,6 @@ class Verdict:
     reason: str = ""
 
 
-# ---------------------------------------------------------------- machine words
-
-
-class _Atomics:
-    """libatomic's lock-free 8-byte operations, the fences, and the futex syscall."""
-
-    def __init__(self) -> None:
-        if platform.machine() not in _SYS_FUTEX:
-            raise PageError(f"the control page supports x86_64 and aarch64, not {platform.machine()}")
-        try:
-            lib = ctypes.CDLL("libatomic.so.1")
-        except OSError as err:
-            raise PageError(f"libatomic.so.1 is not loadable ({err}); install libatomic1") from None
-        u64, u32, vp, i = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
-        self.cas = getattr(lib, "__atomic_compare_exchange_8")
-        self.cas.argtypes, self.cas.restype = [vp, vp, u64, i, i], ctypes.c_bool
-        self.load = getattr(lib, "__atomic_load_8")
-        self.load.argtypes, self.load.restype = [vp, i], u64
-        self.store = getattr(lib, "__atomic_store_8")
-        self.store.argtypes, self.store.restype = [vp, u64, i], None
-        self.add32 = getattr(lib, "__atomic_fetch_add_4")
-        self.add32.argtypes, self.add32.restype = [vp, u32, i], u32
-        self.fence = lib.atomic_thread_fence
-        self.fence.argtypes, self.fence.restype = [i], None
-        lock_free = getattr(lib, "__atomic_is_lock_free")
-        lock_free.argtypes, lock_free.restype = [ctypes.c_size_t, vp], ctypes.c_bool
-        if not (lock_free(8, None) and lock_free(4, None)):
-            raise PageError("libatomic's 8-byte operations are not lock-free here: they cannot cross processes")
-        self.tso = platform.machine() == "x86_64"
-        self._expected = ctypes.c_uint64()
-        self._expected_ref = ctypes.byref(self._expected)
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.syscall = libc.syscall
-        self.syscall.restype = ctypes.c_long
-        self.sys_futex = _SYS_FUTEX[platform.machine()]
-        self.mmap = libc.mmap
-        self.mmap.restype, self.mmap.argtypes = vp, [vp, ctypes.c_size_t, i, i, i, ctypes.c_long]
-        self.munmap = libc.munmap
-        self.munmap.argtypes = [vp, ctypes.c_size_t]
-
-    # The orders the page needs, each as cheap as the CPU allows. On x86-64 (TSO)
-    # every plain aligned load is an acquire and every plain store a release, so
-    # those cost one ctypes attribute access; only store-then-load needs a
-    # barrier there (the sequentially consistent store is an xchg). On arm64
-    # plain ldr/str order nothing, so libatomic's ldar/stlr and fences do it.
-
-    def store_release(self, word: ctypes.c_uint64, value: int) -> None:
-        if self.tso:
-            word.value = value
-        else:
-            self.store(ctypes.addressof(word), value, _RELEASE)
-
-    def store_seq_cst(self, word: ctypes.c_uint64, value: int) -> None:
-        """A release store that no later load of this thread passes (the Dekker half):
-        an xchg on x86-64; on arm64 stlr and a full fence, since plain loads follow."""
-        self.store(ctypes.addressof(word), value, _SEQ_CST)
-        if not self.tso:
-            self.fence(_SEQ_CST)
-
-    def load_seq_cst(self, word: ctypes.c_uint64) -> int:
-        return word.value if self.tso else self.load(ctypes.addressof(word), _SEQ_CST)
-
-    def acquire_fence(self) -> None:
-        """Loads after it see what the stores before a release that earlier loads saw."""
-        if not self.tso:
-            self.fence(_ACQUIRE)
-
-    def compare_exchange(self, word: ctypes.c_uint64, expected: int, desired: int) -> bool:
-        self._expected.value = expected
-        return self.cas(ctypes.addressof(word), self._expected_ref, desired, _SEQ_CST, _SEQ_CST)
-
-    def futex_wait(self, address: int, expected: int, seconds: float) -> None:
-        """Sleep while the u32 at ``address`` equals ``expected``, at most ``seconds``."""
-        ts = (ctypes.c_long * 2)(int(seconds), int((seconds % 1) * 1e9))
-        self.syscall(self.sys_futex, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected),
-                     ctypes.byref(ts), None, 0)
-
-    def futex_wake(self, address: int) -> None:
-        self.syscall(self.sys_futex, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0)
-
-
-_atomics: _Atomics | None = None
-
-
-def atomics() -> _Atomics:
-    global _atomics
-    if _atomics is None:
-        _atomics = _Atomics()
-    return _atomics
-
-
 def page_bytes(npes: int) -> int:
     """The page's size for ``npes`` ranks: whole pages."""
     return -(-(OFF_SLOTS + SLOT_BYTES * npes) // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -307,6 +220,10 @@ def spin_budget(npes: int) -> float:
 def new_instance_id() -> int:
     """A daemon run's id: random, 64 bits, never 0."""
     return int.from_bytes(os.urandom(8), "little") | 1
+
+
+READY = int.from_bytes(b"mapped!!", "little")
+OFF_MAPPED = 16  # in a slot
 
 
 def slot_offset(rank: int) -> int:
@@ -379,11 +296,15 @@ class ControlPage:
         """Map a page received as ``fd`` and check it: a control page of this
         layout, at least its own size, of ``npes`` ranks, made by daemon run
         ``instance`` (StaleInstance otherwise) for set ``generation``, each
-        where given."""
-        size = os.fstat(fd).st_size
-        if size < OFF_SLOTS + SLOT_BYTES:
-            raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
-        page = cls(fd, size)
+        where given. The page owns ``fd`` from here on: a refusal closes it."""
+        try:
+            size = os.fstat(fd).st_size
+            if size < OFF_SLOTS + SLOT_BYTES:
+                raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
+            page = cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             magic = page.word(OFF_MAGIC).value
             atomics().acquire_fence()
@@ -439,6 +360,18 @@ class ControlPage:
                 f"build the PeerBuffer again"
             )
 
+    # ------------------------------------------------------------ the choice
+
+    def mark_mapped(self, rank: int) -> None:
+        """Rank ``rank`` mapped the page: it takes the page path if every rank did."""
+        atomics().store_seq_cst(self.word(slot_offset(rank) + OFF_MAPPED), READY)
+
+    def unmapped(self) -> list[int]:
+        """Ranks that did not mark the page mapped: the group keeps the message path unless none."""
+        missing = [r for r in range(self.npes) if self.word(slot_offset(r) + OFF_MAPPED).value != READY]
+        atomics().acquire_fence()
+        return missing
+
     # ------------------------------------------------------------ abort
 
     def abort(self, code: int, reason: str) -> None:
@@ -481,7 +414,7 @@ class ControlPage:
         sees the change (Note [Control page layout])."""
         a = atomics()
         if force or a.load_seq_cst(self.word(OFF_WAKE)) >> 32:  # sleepers: the upper half of that word
-            a.add32(self.address + OFF_WAKE, 1, _SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
+            a.add32(self.address + OFF_WAKE, 1, SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
             a.futex_wake(self.address + OFF_WAKE)
 
     def sleep(self, ready, seconds: float) -> None:
@@ -489,12 +422,12 @@ class ControlPage:
         a = atomics()
         wake = self.address + OFF_WAKE
         seen = ctypes.c_uint32.from_address(wake).value
-        a.add32(self.address + OFF_SLEEPERS, 1, _SEQ_CST)
+        a.add32(self.address + OFF_SLEEPERS, 1, SEQ_CST)
         try:
             if not ready():
                 a.futex_wait(wake, seen, max(seconds, 0.0))
         finally:
-            a.add32(self.address + OFF_SLEEPERS, 0xFFFFFFFF, _SEQ_CST)
+            a.add32(self.address + OFF_SLEEPERS, 0xFFFFFFFF, SEQ_CST)
 
     def close(self) -> None:
         if self.address:
