@@ -25,6 +25,7 @@ from .buffersets import BufferSet
 from .outbox import Caller, Outbox
 from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
+from .pages import NoPages, Pages
 from .rendezvous import Allocate, Free, Rendezvous
 from .timers import Timers
 
@@ -40,11 +41,12 @@ class Registry:
         agreement_timeout: float = DEFAULT_DEADLINE_S,
         limits: Limits = Limits(),
         admins: frozenset[int] = frozenset({0}),
+        pages: NoPages | Pages = NoPages(),
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
         self._quotas = Quotas(limits)
-        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, rendezvous_timeout, agreement_timeout)
+        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, rendezvous_timeout, agreement_timeout, pages)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, agreement_timeout)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

@@ -29,6 +29,7 @@ from .health import NEARLY, problems
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
+from .pages import Pages
 from .paging import page
 from .registry import Registry
 from .liveness import POLL_INTERVAL, PidWatcher
@@ -59,7 +60,7 @@ TICK_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
 
 #: settings a SIGHUP cannot change in a running daemon
-RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port")
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "control_pages")
 
 #: What one connection can make the daemon hold. A client has one call
 #: outstanding, plus a few releases whose replies it skips, so these bind
@@ -91,9 +92,10 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
+        self.pages = Pages(settings.control_pages)  # one control page per live set (peerd.pages)
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=self._admins,
+            admins=self._admins, pages=self.pages,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -238,6 +240,7 @@ class Daemon:
                 log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
                             "still touch its memory", bset.label, holders)
         self._notifier.stopping("stopping: freeing every buffer")
+        self.pages.shutdown()  # every group's abort word, before its memory goes
         self._deliver(self.registry.shutdown())
         if self.metrics is not None:
             self.metrics.close()
@@ -392,7 +395,10 @@ class Daemon:
         who = Credentials(uid, gid, pid)
         if not self.allowlist.allows(uid, gid, pid):
             raise forbidden(who)
+        wants_page, request = self.pages.split_request(request)
         bset = self.registry.opened_set(validate_body("release", request), pid, uid)  # a slot, named as release names it
+        if wants_page:
+            return self.pages.handout(bset)
         allocations = [bset.slots[r].allocation for r in range(bset.npes)]
         fds = [self.backend.fd(a) for a in allocations]
         if None in fds:
@@ -451,6 +457,7 @@ class Daemon:
             "backend": self.backend.name,
             "rendezvous_timeout": self.registry.rendezvous_timeout,
             "agreement_timeout": self.registry.agreement_timeout,
+            "instance": self.pages.instance,
         }
 
     def _status(self, viewer: int) -> dict:
