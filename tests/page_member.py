@@ -1,0 +1,66 @@
+"""One member of a group with a control page, driven line by line by an integration test.
+
+    python tests/page_member.py --group G --rank R --npes N [--name NAME]
+
+Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool}, then
+answers each command read from stdin with one JSON line:
+
+    agree [RANK NPES]   tp_agree(True) (as RANK of NPES where given)
+    check               buf.check()
+    garbage             overwrite this member's mapping of the page with random bytes
+    close               buf.close()
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+
+
+def answer(step) -> dict:
+    try:
+        return {"ok": True, "value": step()}
+    except Exception as err:
+        return {"ok": False, "type": type(err).__name__, "code": getattr(err, "code", None), "message": str(err)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--group", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--npes", type=int, required=True)
+    parser.add_argument("--name", default="default")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    args = parser.parse_args()
+
+    from peerd_client import PeerBuffer, tp_agree
+
+    buf = PeerBuffer(1 << 16, args.group, args.rank, args.npes, name=args.name, timeout=30)
+    print(json.dumps({"ready": True, "page": buf.abort_address != 0}), flush=True)
+
+    def garbage() -> int:
+        page = buf.abort_source
+        ctypes.memmove(page.address, os.urandom(page.size), page.size)
+        return page.size
+
+    for line in sys.stdin:
+        command, *rest = line.split()
+        if command == "agree":
+            rank, npes = (int(rest[0]), int(rest[1])) if rest else (None, None)
+            reply = answer(lambda: tp_agree(True, args.group, rank, npes, timeout=args.timeout))
+        elif command == "check":
+            reply = answer(buf.check)
+        elif command == "garbage":
+            reply = answer(garbage)
+        elif command == "close":
+            reply = answer(buf.close)
+        else:
+            reply = {"ok": False, "message": f"unknown command {command!r}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
