@@ -23,10 +23,9 @@ import os
 import select
 import threading
 
-from peerd.controlpage import AbortCode, ControlPage
+from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
 from peerd.fdchannel import fetch_fds
 from peerd.pageagree import PageVoter
-from peerd.pages import PAGE_HANDLES
 from peerd.paths import fd_socket_path
 
 from .connection import REQUEST_TIMEOUT_S

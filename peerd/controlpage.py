@@ -157,6 +157,8 @@ MAX_NPES = 1024
 REASON_BYTES = 256
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
+#: what the fd channel's page answer names its two fds: the page, the daemon's alive pipe (peerd.pages)
+PAGE_HANDLES = [b"control-page", b"daemon-alive"]
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
 OFF_WAKE, OFF_SLEEPERS = 64, 68

@@ -32,14 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .buffersets import BufferSet, Slot
-from .controlpage import AbortCode, ControlPage, PageError, new_instance_id
+from .controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError, new_instance_id
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")
-
-#: what the fd channel's page answer names its two fds
-PAGE_HANDLES = [b"control-page", b"daemon-alive"]
-
 
 @dataclass
 class _Entry:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from peerd.controlpage import AbortCode, ControlPage, PageError
-from peerd.pages import PAGE_HANDLES, Pages
+from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
+from peerd.pages import Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory, join, live_set, release
