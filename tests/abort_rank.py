@@ -1,10 +1,12 @@
 """One rank of the GPU abort tests: all-reduces that poll an inherited control page.
 
-    python tests/abort_rank.py --rank R --npes N --group G --page-fd FD --role waiter|holder [--deadline S] [--graph]
+    python tests/abort_rank.py --rank R --npes N --group G [--page-fd FD] --role waiter|holder [--deadline S] [--graph]
 
-Every rank builds a PeerBuffer of ``--group`` on cuda:0, maps the page for
-the GPU (peerd_client.hostmap.MappedPage) and makes three checked
-all-reduces. Then a ``holder`` prints {"holding": true} and sleeps (the test
+Every rank builds a PeerBuffer of ``--group`` on cuda:0 and makes three
+checked all-reduces polling an abort word: the page of ``--page-fd``, mapped
+for the GPU (peerd_client.hostmap.MappedPage), where the test plays the
+daemon; else the buffer's own control page, which the daemon aborts
+(``buf.abort_source``; a ``--wired`` line reports its ``abort_address``). Then a ``holder`` prints {"holding": true} and sleeps (the test
 kills it, stops it, or leaves it be); a ``waiter`` prints {"calling": true}
 and calls once more (eagerly, or replaying a CUDA graph captured before
 with ``--graph``), which can only end by the abort or the deadline. The
@@ -29,7 +31,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--npes", type=int, required=True)
     parser.add_argument("--group", required=True)
-    parser.add_argument("--page-fd", type=int, required=True)
+    parser.add_argument("--page-fd", type=int, default=None, help="default: the buffer's own control page")
     parser.add_argument("--role", choices=["waiter", "holder"], required=True)
     parser.add_argument("--waiters", type=int, default=0, help="waiter ranks, which are 0..waiters-1")
     parser.add_argument("--deadline", type=float, default=None)
@@ -45,9 +47,12 @@ def main() -> None:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    page = ControlPage.attach(args.page_fd, npes=args.npes)
-    mapped = MappedPage(page, device)
+    page = ControlPage.attach(args.page_fd, npes=args.npes) if args.page_fd is not None else None
+    mapped = MappedPage(page, device) if page is not None else None
     buf = PeerBuffer(1 << 20, args.group, args.rank, args.npes, device)
+    if mapped is None:
+        mapped = buf.abort_source
+        say(wired=buf.abort_address)
     x = torch.full((4096,), float(args.rank + 1), device=device)
     total = args.npes * (args.npes + 1) / 2
     for _ in range(3):
@@ -84,8 +89,9 @@ def main() -> None:
     y = torch.ones(4096, device=device)
     after["sum"] = float(all_reduce(again, y)[0].item())
     again.close()
-    mapped.close()
-    page.close()
+    if page is not None:
+        mapped.close()
+        page.close()
     say(raised=raised, after=after)
 
 
