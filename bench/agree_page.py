@@ -1,14 +1,16 @@
-"""Agreement on the control page (peerd.pageagree) against gloo all_reduce(MIN), same run.
+"""tp_agree on the group's control page against gloo all_reduce(MIN), same run.
 
-    python bench/agree_page.py                      # N = 2, 4, 8
+    python bench/agree_page.py                      # N = 2, 4, 8, host backend
+    python bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000
     python bench/agree_page.py --ranks 2 --rounds 100000 --spin-us 50
 
-N spawned workers share one control page (the parent makes the memfd; each
-worker opens it through /proc/<parent>/fd, as the daemon's fd channel will
-hand it over) and a gloo group. The measurements are bench/agree_latency.py's
-(time_paths): synchronized rounds, p50 / p99 from a common instant until the
-slowest rank has the answer, and back-to-back rounds, whose mean period
-gives rounds per second. No daemon takes part: the page path never calls it.
+A daemon of its own (``--backend``) serves N spawned workers; each builds a
+PeerBuffer of one group (the daemon hands every rank the set's control page,
+peerd.pages) and a gloo group, then times the public ``tp_agree(True, key)``,
+which runs on the page (the bench refuses a group left on the message path).
+The measurements are bench/agree_latency.py's (time_paths): synchronized
+rounds, p50 / p99 from a common instant until the slowest rank has the
+answer, and back-to-back rounds, whose mean period gives rounds per second.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,17 +27,21 @@ import agree_latency as AL  # noqa: E402
 PATHS = ("page", "gloo")
 
 
-def page_worker(rank, npes, args, start: C.Start, port, results, owner: int, fd: int) -> None:
+def page_worker(rank, npes, args, start: C.Start, port, results) -> None:
     try:
-        from peerd.controlpage import ControlPage
-        from peerd.pageagree import PageVoter
+        from peerd_client import PeerBuffer, tp_agree
+        from peerd_client.pagelink import link_for
 
+        device = C.torch_device(args.backend)
         C.init_gloo(port, rank, npes)
-        page = ControlPage.attach(os.open(f"/proc/{owner}/fd/{fd}", os.O_RDWR), npes=npes)
-        spin = None if args.spin_us is None else args.spin_us * 1e-6
-        voter = PageVoter(page, rank, label=f"group=bench-{npes}", spin_s=spin)
-        timed = AL.time_paths({"page": lambda: voter.agree(True, time.monotonic() + 60).ok,
-                               "gloo": AL.gloo_round()}, rank, args, start)
+        key = f"agree-page-{npes}"
+        buf = PeerBuffer(4096, key, rank, npes, device)
+        if not buf.abort_address:
+            raise RuntimeError("the group was left on the daemon's message path: no control page to time")
+        if args.spin_us is not None:
+            link_for(key).voter.spin_s = args.spin_us * 1e-6
+        timed = AL.time_paths({"page": lambda: tp_agree(True, key), "gloo": AL.gloo_round()}, rank, args, start)
+        buf.close()
         results.put((rank, *timed, None))
     except BaseException:
         results.put((rank, {}, {}, {}, traceback.format_exc()))
@@ -44,9 +49,8 @@ def page_worker(rank, npes, args, start: C.Start, port, results, owner: int, fd:
 
 
 def main() -> None:
-    from peerd.controlpage import ControlPage, new_instance_id
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
     parser.add_argument("--ranks", default="2,4,8")
     parser.add_argument("--rounds", type=int, default=20000, help="back-to-back rounds per path and N")
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
@@ -59,12 +63,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    info = {"bench": "agree_page", "machine": C.machine(), "command": C.command_line(), "rounds": args.rounds,
-            "spin_us": args.spin_us, "by_n": {}}
-    for npes in C.parse_ints(args.ranks):
-        with ControlPage.create(npes, new_instance_id()) as page:
-            info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS, (os.getpid(), page.fd))
-        C.save("agree_page", info, args.out, quiet=True)
+    info = {"bench": "agree_page", "machine": C.machine(), "backend": args.backend, "command": C.command_line(),
+            "rounds": args.rounds, "spin_us": args.spin_us, "by_n": {}}
+    with C.Daemon(args.backend, log_level="warning"):
+        for npes in C.parse_ints(args.ranks):
+            info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS)
+            C.save("agree_page", info, args.out, quiet=True)
 
     rows, rows2 = [], []
     for n, r in info["by_n"].items():

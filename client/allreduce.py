@@ -144,10 +144,14 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     bounds the host backend's wait for a peer (TimeoutError) where no
     ``deadline`` is given; a GPU kernel without ``deadline`` waits as long as
     it takes. ``abort``, ``deadline`` and ``status``: see the module docstring;
-    by default ``abort`` is the buffer's own control page (``buf.abort_source``),
-    None polls nothing.
+    by default ``abort`` is the buffer's own control page (``buf.abort_source``):
+    the kernel polls it, and an eager call raises at its start once the group
+    is aborted, without synchronizing; an ``abort`` passed explicitly also has
+    every eager call read its status at once (a synchronization). None polls
+    nothing.
     """
-    if abort is BUFFERS_PAGE:
+    implicit = abort is BUFFERS_PAGE
+    if implicit:
         abort = getattr(buf, "abort_source", None)
     layout = Layout(buf.npes, buf.nbytes)
     out = torch.empty_like(x) if out is None else out
@@ -173,7 +177,9 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     if isinstance(abort, ControlPage):
         raise TypeError("a kernel cannot read the control page at its host address: pass "
                         "peerd_client.hostmap.MappedPage(page, device) as abort")
-    checked = status is None and (abort is not None or deadline is not None)
+    if implicit and abort is not None:
+        _raise_if_aborted(abort)  # a host load: no synchronization, unlike checking the status below
+    checked = status is None and (deadline is not None or (abort is not None and not implicit))
     if status is None:
         status = torch.empty(1, dtype=torch.int32, device=x.device)
     if deadline is not None and torch.version.hip:
