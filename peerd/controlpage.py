@@ -159,6 +159,8 @@ SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
 #: what the fd channel's page answer names its two fds: the page, the daemon's alive pipe (peerd.pages)
 PAGE_HANDLES = [b"control-page", b"daemon-alive"]
+#: /proc shows the page as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
+MEMFD_NAME = "controlpage"
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
 OFF_WAKE, OFF_SLEEPERS = 64, 68
@@ -276,7 +278,7 @@ class ControlPage:
             raise ValueError(f"npes must be in 1..{MAX_NPES}, got {npes}")
         size = page_bytes(npes)
         try:
-            fd = os.memfd_create("peerd-control", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:
             raise PageError(f"memfd_create failed: {err}") from None
         try:

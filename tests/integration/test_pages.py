@@ -10,6 +10,7 @@ garbage reaches only its own group.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from peerd.controlpage import MEMFD_NAME
 from tests.conftest import wait_until
 
 MEMBER = Path(__file__).resolve().parents[1] / "page_member.py"
@@ -60,6 +62,12 @@ def ask_all(members: list[Member], command: str) -> list[dict]:
         m.proc.stdin.write(command + "\n")
         m.proc.stdin.flush()
     return [m.read() for m in members]
+
+
+def pages_held(pid: int) -> int:
+    """Control pages process ``pid`` holds open."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(os.readlink(fds / fd).startswith(f"/memfd:{MEMFD_NAME}") for fd in os.listdir(fds))
 
 
 def aborted(member: Member) -> dict:
@@ -159,4 +167,5 @@ def test_a_member_that_leaves_aborts_its_peers_and_its_page_is_closed(daemon, np
         m.ask("close")
     for m in members:
         m.end()
-    wait_until(lambda: daemon.segments() == [], 10, "the daemon to free the set and close its page")
+    wait_until(lambda: daemon.segments() == [] and pages_held(daemon.proc.pid) == 0, 10,
+               "the daemon to free the set and close its page")
