@@ -119,12 +119,17 @@ def test_an_eviction_aborts_the_page_before_it_frees_the_memory(daemon):
         m.end()
 
 
-def test_after_a_daemon_restart_a_vote_is_false_or_unavailable_never_true(daemon):
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+def test_after_a_daemon_restart_a_vote_is_false_or_unavailable_never_true(daemon, pages):
+    if not pages:
+        daemon.stop()
+        daemon.args = ("--control-pages", "false")
+        daemon.start()
     members = group_of(daemon, "restarted", 2)
-    assert all(m.page for m in members)
+    assert [m.page for m in members] == [pages] * 2
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
-    for m in members:  # the alive pipe tells each member the daemon run is gone
+    for m in members if pages else ():  # the alive pipe tells each member the daemon run is gone
         assert "is gone" in aborted(m)["message"]
     daemon.start()
     for _ in range(3):

@@ -118,3 +118,21 @@ def test_a_daemon_with_pages_off_refuses_the_request_and_the_request_names_its_s
             pages.handout(None)
     finally:
         pages.shutdown()
+
+
+def test_on_the_message_path_a_vote_after_an_eviction_is_false_until_the_pid_joins_again(reg):
+    from tests.unit.test_groups import agree, bodies, commit
+
+    live_set(reg)
+    for r in (0, 1):
+        agree(reg, r, group="g")
+    reg.evict("g", None)
+    late = bodies(agree(reg, 0, group="g"))
+    assert late == {("a", 0): {"ok": False, "reason": "group=g was evicted by an administrator: "
+                                                      "build the PeerBuffer again"}}
+    for r in (0, 1):  # the same pids build a new set of the group: their rounds pass again
+        join(reg, r)
+    for r in (0, 1):
+        commit(reg, r)
+    agree(reg, 0, group="g")
+    assert bodies(agree(reg, 1, group="g"))[("a", 1)] == {"ok": True, "reason": ""}
