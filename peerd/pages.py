@@ -39,6 +39,7 @@ log = logging.getLogger("peerd.pages")
 
 @dataclass
 class _Entry:
+    set_id: int
     group: tuple[int | None, str]  # (owner uid, group)
     page: ControlPage
     aborted: bool = False
@@ -75,7 +76,7 @@ class Pages:
             except (PageError, OSError) as err:
                 log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
                 raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"no control page for {bset.label}: {err}") from None
-            entry = self._pages[bset.id] = _Entry((bset.owner_uid, bset.group), page)
+            entry = self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), page)
         return list(PAGE_HANDLES), [entry.page.fd, self._alive_r]
 
     # ------------------------------------------------------------ hooks of the set's life
@@ -126,7 +127,7 @@ class Pages:
         if not entry.aborted:
             entry.aborted = True
             entry.page.abort(code, reason)
-            log.info("control page of set %d aborted: %s", entry.page.generation, reason)
+            log.info("control page of set %d aborted: %s", entry.set_id, reason)  # read nothing off the page
 
 
 class NoPages:
