@@ -58,7 +58,8 @@ class _DaemonWatch:
 
     def stop(self) -> None:
         os.write(self._stop_w, b"x")
-        self._thread.join()
+        if threading.current_thread() is not self._thread:  # a collection pass may run in the watcher itself
+            self._thread.join()
         os.close(self._stop_r)
         os.close(self._stop_w)
 

@@ -52,6 +52,7 @@ class Pages:
         self.instance = new_instance_id()  # announced in hello; written into every page
         self.enabled = enabled
         self._pages: dict[int, _Entry] = {}
+        self._refused: dict[int, str] = {}  # set id -> why its page could not be made: warned once
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
     # ------------------------------------------------------------ the fd channel
@@ -70,13 +71,16 @@ class Pages:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "this daemon runs with --control-pages false: "
                                 "groups agree through its messages")
         entry = self._pages.get(bset.id)
-        if entry is None:
+        if entry is None and bset.id not in self._refused:
             try:
                 page = ControlPage.create(bset.npes, self.instance, bset.id)
+                entry = self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), page)
             except (PageError, OSError) as err:
+                self._refused[bset.id] = str(err)
                 log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
-                raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"no control page for {bset.label}: {err}") from None
-            entry = self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), page)
+        if entry is None:
+            why = self._refused[bset.id]
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"no control page for {bset.label}: {why}")
         return list(PAGE_HANDLES), [entry.page.fd, self._alive_r]
 
     # ------------------------------------------------------------ hooks of the set's life
@@ -98,6 +102,7 @@ class Pages:
         self._abort(bset.id, AbortCode.EVICTED, f"{bset.label} was evicted by an administrator")
 
     def set_freed(self, bset: BufferSet) -> None:
+        self._refused.pop(bset.id, None)
         entry = self._pages.pop(bset.id, None)
         if entry is not None:
             self._abort_entry(entry, AbortCode.SET_FAILED, f"{bset.label} was freed")
@@ -109,6 +114,7 @@ class Pages:
             self._abort_entry(entry, AbortCode.SHUTDOWN, "the peerd daemon is shutting down")
             entry.page.close()
         self._pages.clear()
+        self._refused.clear()
         for fd in (self._alive_r, self._alive_w):
             if fd >= 0:
                 os.close(fd)
