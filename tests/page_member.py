@@ -8,6 +8,8 @@ answers each command read from stdin with one JSON line:
     agree [RANK NPES]   tp_agree(True) (as RANK of NPES where given)
     check               buf.check()
     garbage             overwrite this member's mapping of the page with random bytes
+    reduce              all_reduce(buf, ones) on the host, polling the buffer's page: the sum
+    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf
     close               buf.close()
 """
 
@@ -36,10 +38,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args()
 
+    import torch
+
     from peerd_client import PeerBuffer, tp_agree
+    from peerd_client.allreduce import all_reduce
 
     buf = PeerBuffer(1 << 16, args.group, args.rank, args.npes, name=args.name, timeout=30)
     print(json.dumps({"ready": True, "page": buf.abort_address != 0}), flush=True)
+
+    def reduce() -> float:
+        return float(all_reduce(buf, torch.ones(256), timeout=30)[0])
+
+    def fresh(group: str, rank: str, npes: str) -> bool:
+        nonlocal buf
+        buf = PeerBuffer(1 << 16, group, int(rank), int(npes), timeout=30)
+        return buf.abort_address != 0
 
     def garbage() -> int:
         page = buf.abort_source
@@ -55,6 +68,10 @@ def main() -> None:
             reply = answer(buf.check)
         elif command == "garbage":
             reply = answer(garbage)
+        elif command == "reduce":
+            reply = answer(reduce)
+        elif command == "fresh":
+            reply = answer(lambda: fresh(*rest))
         elif command == "close":
             reply = answer(buf.close)
         else:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,26 @@ def test_a_member_that_leaves_aborts_its_peers_and_its_page_is_closed(daemon, np
         m.end()
     wait_until(lambda: daemon.segments() == [] and pages_held(daemon.proc.pid) == 0, 10,
                "the daemon to free the set and close its page")
+
+
+def test_a_rank_killed_while_its_peers_wait_in_the_host_all_reduce_makes_them_raise_then_a_new_set_works(daemon):
+    members = group_of(daemon, "reducing", 3)
+    assert [r["value"] for r in ask_all(members, "reduce")] == [3.0] * 3
+    *survivors, victim = members
+    for m in survivors:  # they wait in the call for the victim, which never comes
+        m.proc.stdin.write("reduce\n")
+        m.proc.stdin.flush()
+    time.sleep(0.5)
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    for m in survivors:
+        raised = m.read()
+        assert not raised["ok"] and raised["type"] == "MonoUnsupported", raised
+        assert f"rank 2 (pid {victim.proc.pid}) of group=reducing name=default died" in raised["message"], raised
+    for rank, m in enumerate(survivors):  # collective: every survivor starts before any reads
+        m.proc.stdin.write(f"fresh reducing-again {rank} 2\n")
+        m.proc.stdin.flush()
+    assert [m.read().get("value") for m in survivors] == [True, True]
+    assert [r["value"] for r in ask_all(survivors, "reduce")] == [2.0, 2.0]
+    for m in survivors:
+        m.end()
