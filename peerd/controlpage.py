@@ -10,25 +10,28 @@ device mapping of the page, peerd_client.hostmap) exit.
 Standard library only (ctypes, mmap, os, zlib): the daemon and workers both
 import it, and neither may pay for torch or zmq here.
 
-Who calls what:
+Who calls what (peerd.pages on the daemon's side, peerd_client.pagelink on
+the member's):
 
-* daemon, when a group's buffer set is created: ``ControlPage.create(npes,
-  instance, generation)`` (``instance`` = ``new_instance_id()``, drawn once
-  per daemon run); one page per set generation, so a rank that replaces a
-  dead one starts on a fresh page with fresh rounds.
-* daemon, to each member once its join is accepted: ``page.fd`` through the
-  fd channel (SCM_RIGHTS), with ``instance`` and ``generation`` in the reply.
-* member: ``ControlPage.attach(fd, npes=npes, instance=hello_instance)`` (a
-  StaleInstance or PageError falls back to the message path with one
-  WARNING), then ``PageVoter(page, rank, label)`` for tp_agree and
-  ``peerd_client.hostmap.MappedPage(page, device)`` for kernels.
+* daemon, on the first fd-channel request for a set's page (``{group, name,
+  rank, page: true}``, answered only to a pid holding that rank of an
+  OPENING or LIVE set): ``ControlPage.create(npes, instance, generation)``
+  (``instance`` = ``new_instance_id()``, drawn once per daemon run and
+  announced in hello; ``generation`` = the set's id); one page per set, so
+  a rank that replaces a dead one starts on a fresh page with fresh rounds.
+  The fd goes out with the read end of the daemon's alive pipe.
+* member, after its join and before its commit vote: ``ControlPage.attach(fd,
+  npes=npes, instance=hello_instance)``, ``peerd_client.hostmap.MappedPage``
+  on a GPU, then ``mark_mapped(rank)``; any failure costs one WARNING and
+  keeps the message path. After the commit verdict, ``unmapped()`` decides
+  for the group (see "The choice" below), then ``PageVoter(page, rank,
+  label)`` runs tp_agree.
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
   evict frees anything, when a set of the group fails, and at shutdown;
   ``page.close()`` once the set is freed (members keep their own mappings).
-* every rank of a group must take the same path (page or messages): the
-  choice belongs in the set's commit vote, so one rank that cannot map the
-  page moves the whole group to the message path.
+  A member that sees the alive pipe close aborts the page itself: a killed
+  daemon cannot.
 
 Note [Control page layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
