@@ -7,7 +7,8 @@
 every one of G concurrent groups. peerd_client holds one connection per
 process and one call at a time, so each process drives its G groups through
 a raw ZeroMQ DEALER speaking peerd.protocol, one request in flight per
-group: the daemon sees G groups each with npes members, every member's pid
+group and at most ROUTER_SNDHWM (32) per process (more, and the daemon
+drops replies to a connection that falls behind, by design): the daemon sees G groups each with npes members, every member's pid
 the kernel's (the daemon identifies ranks by it).
 
   votes       each group runs back-to-back tp_agree rounds ("agree" op);
@@ -47,6 +48,7 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
 
     from peerd.paths import endpoint
     from peerd.protocol import decode_reply, encode_request
+    from peerd.server import ROUTER_SNDHWM
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -58,7 +60,12 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
     keys = [f"{prefix}-{g}" for g in range(groups)]
     slot = {"name": "tput", "rank": rank}
 
+    backlog: list[tuple[int, str]] = []  # past the window: sent as replies come
+
     def send(g: int, op: str) -> None:
+        if len(pending) >= ROUTER_SNDHWM:  # the daemon keeps at most that many replies for one connection
+            backlog.append((g, op))
+            return
         rid = next(ids)
         if op == "agree":
             body = {"group": keys[g], "rank": rank, "npes": npes, "ok": True, "timeout": None}
@@ -82,6 +89,8 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
             raise RuntimeError(f"no reply within 60s ({len(pending)} pending)")
         reply = decode_reply(sock.recv())
         g, op = pending.pop(reply.id)
+        if backlog:
+            send(*backlog.pop(0))
         if not reply.ok:
             raise RuntimeError(f"{op} on {keys[g]} failed: {reply.error}")
         answered += 1

@@ -37,7 +37,7 @@ import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
 from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, Reply, decode_reply, encode_request
-from peerd.replies import check_reply
+from peerd.ops import check_reply, validate_request
 from peerd.trust import (
     DAEMON_USER_ADVICE,
     SocketPathError,
@@ -184,6 +184,10 @@ class Connection:
             raise
         while self._deferred:
             self._send(*self._deferred.pop(0))
+        try:
+            body = validate_request(op, body)  # a bad call fails here, with the field named, not in the daemon
+        except ProtocolError as err:
+            raise MonoUnsupported(err.message, err.code.value) from None
         request_id = self._send(op, body)
         reply = self._await(op, (request_id,), time.monotonic() + timeout)
         if reply is None and op != "hello":  # past the deadline: did its answer come while this process was stopped?

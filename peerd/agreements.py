@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .buffersets import RankKey, SetIndex
+from .credentials import Credentials
 from .outbox import Caller, Outbox, Send, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
-from .timers import Check, Timers
+from .timers import Check, Timers, Waits
 
 log = logging.getLogger("peerd.agreements")
 
@@ -82,15 +83,16 @@ class Agreement:
 class Agreements:
     """Every agreement the daemon keeps, and tp_agree's rules."""
 
-    def __init__(self, timers: Timers, quotas: Quotas, sets: SetIndex, timeout: float):
+    def __init__(self, timers: Timers, quotas: Quotas, sets: SetIndex, waits: Waits):
         self._timers = timers
         self._quotas = quotas
         self._sets = sets  # asked who holds a rank, and which ranks died holding one
-        self.timeout = timeout
+        self._waits = waits
         self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
         self.evicted: dict[tuple[int | None, str], set[int]] = {}  # by (uid, group): pids that voted before it
 
-    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+    def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        pid, uid = who.pid, who.uid
         group, rank, npes = req["group"], req["rank"], req["npes"]
         if rank >= npes:
             return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
@@ -122,7 +124,7 @@ class Agreements:
             if refusal:
                 return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             rnd = agreement.rounds[k] = Round(npes)
-            timeout = req["timeout"] or self.timeout
+            timeout = req["timeout"] or self._waits.agreement
             rnd.on_settle = self._open_round(
                 uid, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout)
             )

@@ -9,7 +9,7 @@ so scraping never blocks or races the loop.
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable
+from typing import Any
 
 from .outbox import Send
 from .registry import Registry
@@ -26,7 +26,6 @@ class Metrics:
                 "--metrics-port needs prometheus-client: pip install 'peerd[metrics]'"
             ) from None
         self._registry = registry
-        self._pending: dict[Hashable, tuple[str, float]] = {}
         self.requests = Counter("peerd_requests", "Requests answered, by op and outcome", ["op", "outcome"])
         self.latency = Histogram(
             "peerd_request_seconds", "Time from a request's arrival to its reply (joins include the rendezvous)",
@@ -37,14 +36,11 @@ class Metrics:
         REGISTRY.register(_Gauges(registry))
         self.server, self.thread = start_http_server(port, addr="127.0.0.1")
 
-    def received(self, caller: Hashable, op: str) -> None:
-        self._pending[caller] = (op, time.monotonic())
-
     def answered(self, send: Send) -> None:
-        entry = self._pending.pop(send.caller, None)
-        if entry is None:
+        """Count and time one reply; its route (peerd.server.Route) says which op and since when."""
+        op, started = send.caller.op, send.caller.since
+        if op is None:  # refused before its op was read
             return
-        op, started = entry
         if send.error is not None:
             outcome = send.error.code.value
         elif op in ("agree", "commit"):

@@ -3,9 +3,11 @@
 A request is ``{v, id, op, body}``; a reply is ``{v, id, ok: true, body}`` or
 ``{v, id, ok: false, error: {code, message}}``. The envelope never mixes with
 the payload, so no op's field can overwrite ``ok`` (circus's mistake). Every
-field of every op is declared once in ``OPS`` and checked on arrival: the
-daemon trusts nothing it did not validate, and the client learns of a bad
-call from a coded error, not from a crash on the other side.
+field of every op is declared once in ``peerd.ops`` and checked on arrival:
+the daemon trusts nothing it did not validate, and the client learns of a
+bad call from a coded error, not from a crash on the other side. This module
+holds what every op shares: the envelope, the limits, the error codes and
+the field checks.
 """
 
 from __future__ import annotations
@@ -96,15 +98,21 @@ class Field:
     """One body field: its Python type and the check its value must pass."""
 
     kind: type | tuple[type, ...]
-    check: Callable[[Any], str | None] = lambda value: None
+    check: Callable[[Any], str | None] | None = None
     default: Any = ...  # ... means required
+
+    def __post_init__(self) -> None:
+        # bool is an int in Python; a vote of 1 or a rank of True is a mistake: decided once, here
+        kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
+        object.__setattr__(self, "refuses_bool", bool not in kinds)
 
     @property
     def required(self) -> bool:
         return self.default is ...
 
 
-def _key(value: str) -> str | None:
+def key(value: str) -> str | None:
+    """A group key, set name or device identity: short and printable, so logs and tables stay honest."""
     if not value or len(value) > MAX_KEY_CHARS:
         return f"must be 1 to {MAX_KEY_CHARS} characters"
     if not value.isprintable():
@@ -113,16 +121,7 @@ def _key(value: str) -> str | None:
     return None
 
 
-def _cursor(value: list | None) -> str | None:
-    if value is None:
-        return None
-    if (len(value) != 3 or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
-            or isinstance(value[2], bool) or not isinstance(value[2], int)):
-        return f"must be [group, name, uid]: two strings of at most {MAX_KEY_CHARS} characters and an integer"
-    return None
-
-
-def _between(low: float, high: float) -> Callable[[Any], str | None]:
+def between(low: float, high: float) -> Callable[[Any], str | None]:
     def check(value: float) -> str | None:
         if not low <= value <= high:
             return f"must be between {low} and {high}, got {value}"
@@ -131,126 +130,35 @@ def _between(low: float, high: float) -> Callable[[Any], str | None]:
     return check
 
 
-def _timeout(value: float | None) -> str | None:
-    if value is None:
-        return None
-    if not 0 < value <= MAX_TIMEOUT_S:
-        return f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value}"
-    return None
-
-
-def _flags(value: int) -> str | None:
-    if value & ~KNOWN_FLAGS:
-        return f"has unknown bits {value & ~KNOWN_FLAGS:#x} (known: {KNOWN_FLAGS:#x})"
-    return None
-
-
-_REASON = Field(str, lambda v: None if len(v) <= MAX_REASON_CHARS else f"longer than {MAX_REASON_CHARS}", "")
-_TIMEOUT = Field((int, float, type(None)), _timeout, None)
-_GROUP = Field(str, _key)
-_RANK = Field(int, _between(0, MAX_RANKS - 1))
-_NPES = Field(int, _between(1, MAX_RANKS))
-
-#: Every op and its body schema. The daemon dispatches on these names and the
-#: client builds its calls from them: one verb, one place.
-OPS: dict[str, dict[str, Field]] = {
-    # Join buffer set (group, name) as `rank`; the reply waits for every rank.
-    "join": {
-        "group": _GROUP,
-        "name": Field(str, _key),
-        "rank": _RANK,
-        "npes": _NPES,
-        "nbytes": Field(int, _between(1, MAX_NBYTES)),
-        "device": Field(str, _key),
-        "flags": Field(int, _flags, 0),
-        "timeout": _TIMEOUT,
-    },
-    # Vote that this rank opened every peer's handle (or why it could not).
-    "commit": {
-        "group": _GROUP,
-        "name": Field(str, _key),
-        "rank": _RANK,
-        "ok": Field(bool),
-        "reason": _REASON,
-        "timeout": _TIMEOUT,
-    },
-    # This rank cannot take part (its backend or device is unusable here): fail the
-    # rendezvous for every rank at once, and keep the verdict for ranks still to come.
-    "withdraw": {
-        "group": _GROUP,
-        "name": Field(str, _key),
-        "rank": _RANK,
-        "npes": _NPES,
-        "reason": Field(str, _REASON.check),
-    },
-    # Drop this rank's hold on the buffer set.
-    "release": {
-        "group": _GROUP,
-        "name": Field(str, _key),
-        "rank": _RANK,
-    },
-    # One round of tp_agree: the k-th call of each rank forms round k.
-    "agree": {
-        "group": _GROUP,
-        "rank": _RANK,
-        "npes": _NPES,
-        "ok": Field(bool),
-        "timeout": _TIMEOUT,
-    },
-    # Free a stuck group by force (root or the daemon's uid); name None: every set of it;
-    # uid None: that group in every uid's namespace.
-    "evict": {
-        "group": _GROUP,
-        "name": Field((str, type(None)), lambda v: None if v is None else _key(v), None),
-        "uid": Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be a uid (>= 0)", None),
-    },
-    # First call of every connection: proves the daemon answers, gives its defaults.
-    "hello": {},
-    "status": {},
-    # One page of the buffer sets, in (group, name, uid) order, after the cursor
-    # [group, name, uid] (the last entry of the previous page; None: from the start).
-    "ls": {
-        "after": Field((list, type(None)), _cursor, None),
-        "limit": Field(int, _between(1, MAX_LS_PAGE), MAX_LS_PAGE),
-    },
-}
-
-
-def _type_name(kind: type | tuple[type, ...]) -> str:
+def type_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def validate_body(op: str, body: Any) -> dict[str, Any]:
-    """The body with defaults filled in, or ProtocolError naming the bad field."""
-    schema = OPS[op]
+def check_fields(where: str, schema: dict[str, Field], body: Any, closed: bool) -> dict[str, Any]:
+    """``body`` checked against ``schema``, defaults filled in; ProtocolError (BAD_REQUEST) naming the bad field.
+
+    ``closed``: fields the schema does not name are refused (requests), else passed through (replies).
+    """
     if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{op}: body must be a map")
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: body must be a map, not {type(body).__name__}")
     unknown = set(body) - set(schema)
-    if unknown:
-        raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"{op}: unknown field(s) {sorted(map(str, unknown))}"
-        )
-    clean = {}
+    if closed and unknown:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    clean = dict(body)
     for name, field in schema.items():
-        if name not in body:
+        value = body.get(name, field)
+        if value is field:
             if field.required:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{op}: missing field {name!r}")
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: missing field {name!r}")
             clean[name] = field.default
             continue
-        value = body[name]
-        # bool is an int in Python; a vote of 1 or a rank of True is a mistake.
-        wrong_bool = isinstance(value, bool) != (field.kind is bool)
-        if not isinstance(value, field.kind) or (wrong_bool and value is not None):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"{op}: field {name!r} must be {_type_name(field.kind)}, "
-                f"got {type(value).__name__}",
-            )
-        problem = field.check(value)
+        if not isinstance(value, field.kind) or (field.refuses_bool and isinstance(value, bool)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} must be "
+                                f"{type_name(field.kind)}, got {type(value).__name__}")
+        problem = field.check and field.check(value)
         if problem:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{op}: field {name!r} {problem}")
-        clean[name] = value
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} {problem}")
     return clean
 
 
@@ -290,8 +198,8 @@ def request_id_of(message: Any) -> int | None:
     return None
 
 
-def decode_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
-    """A validated request, or ProtocolError saying what is wrong with the frame."""
+def decode_envelope(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[int, str, Any]:
+    """A request's id, op name and raw body (peerd.ops checks the op and its body), or ProtocolError."""
     message = _unpack(frame, max_bytes)
     if not isinstance(message, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "message must be a map")
@@ -308,12 +216,10 @@ def decode_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
         op = message.get("op")
         if not isinstance(op, str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "field 'op' must be a string")
-        if op not in OPS:
-            raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {sorted(OPS)}")
         extra = set(message) - {"v", "id", "op", "body"}
         if extra:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown envelope field(s) {sorted(map(str, extra))}")
-        return Request(rid, op, validate_body(op, message.get("body", {})))
+        return rid, op, message.get("body", {})
     except ProtocolError as err:
         err.request_id = rid
         raise

@@ -1,7 +1,7 @@
 """The daemon's rules of rendezvous, agreement and release, as a pure state machine.
 
-No sockets, no memory, no clock: every op takes ``now`` and returns an outbox
-of ``Send``s, the replies the daemon must deliver (``peerd.outbox``). Memory
+No sockets, no memory, no clock: every op takes its caller's kernel
+``Credentials`` and ``now`` and returns an outbox of ``Send``s, the replies the daemon must deliver (``peerd.outbox``). Memory
 is reached only through the ``allocate`` and ``free`` callables given at
 construction, so the unit tests drive every rule with fakes.
 
@@ -22,12 +22,13 @@ from typing import Any
 
 from .agreements import Agreement, Agreements
 from .buffersets import BufferSet
+from .credentials import Credentials
 from .outbox import Caller, Outbox
+from .pages import NoPages, Pages
 from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
-from .pages import NoPages, Pages
 from .rendezvous import Allocate, Free, Rendezvous
-from .timers import Timers
+from .timers import Timers, Waits
 
 
 class Registry:
@@ -46,36 +47,35 @@ class Registry:
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
         self._quotas = Quotas(limits)
-        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, rendezvous_timeout, agreement_timeout, pages)
-        self._agreements = Agreements(self._timers, self._quotas, self._sets.index, agreement_timeout)
+        self._waits = Waits(rendezvous_timeout, agreement_timeout)
+        self._sets = Rendezvous(allocate, free, self._timers, self._quotas, self._waits, pages)
+        self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:
         """New limits and default timeouts (SIGHUP): for what comes next; running waits keep their deadlines."""
         self._quotas.limits = limits
-        self._sets.rendezvous_timeout = rendezvous_timeout
-        self._sets.commit_timeout = agreement_timeout
-        self._agreements.timeout = agreement_timeout
+        self._waits.rendezvous, self._waits.agreement = rendezvous_timeout, agreement_timeout
 
     # ------------------------------------------------------------ ops
 
-    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        return self._sets.join(caller, pid, req, now, uid)
+    def join(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        return self._sets.join(caller, who, req, now)
 
-    def withdraw(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        return self._sets.withdraw(caller, pid, req, now, uid)
+    def withdraw(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        return self._sets.withdraw(caller, who, req, now)
 
-    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        return self._sets.commit(caller, pid, req, now, uid)
+    def commit(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        return self._sets.commit(caller, who, req, now)
 
-    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        return self._sets.release(caller, pid, req, now, uid)
+    def release(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        return self._sets.release(caller, who, req, now)
 
-    def agree(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        return self._agreements.agree(caller, pid, req, now, uid)
+    def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        return self._agreements.agree(caller, who, req, now)
 
-    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None = None) -> BufferSet:
-        """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check."""
-        return self._sets.opened_set(req, pid, uid)
+    def opened_set(self, req: dict[str, Any], who: Credentials) -> BufferSet:
+        """The set whose handles went out in which ``who`` holds ``rank``: the fd channel's check."""
+        return self._sets.opened_set(req, who)
 
     def evict(self, group: str, name: str | None, uid: int | None = None) -> tuple[Outbox, list[dict[str, Any]]]:
         """Free a group's buffer sets by force, whoever holds them; fail its waits.
@@ -140,11 +140,11 @@ class Registry:
 
     @property
     def rendezvous_timeout(self) -> float:
-        return self._sets.rendezvous_timeout
+        return self._waits.rendezvous
 
     @property
     def agreement_timeout(self) -> float:
-        return self._agreements.timeout
+        return self._waits.agreement
 
     @property
     def rank_deaths(self) -> int:

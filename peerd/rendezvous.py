@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 from .backends.allocation import Allocation
 from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
+from .credentials import Credentials
 from .outbox import Caller, Outbox, Send, refuse
 from .pages import NoPages, Pages
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
-from .timers import Timers
+from .timers import Timers, Waits
 
 log = logging.getLogger("peerd.rendezvous")
 
@@ -63,8 +64,7 @@ class Rendezvous:
         free: Free,
         timers: Timers,
         quotas: Quotas,
-        rendezvous_timeout: float,
-        agreement_timeout: float,
+        waits: Waits,
         pages: NoPages | Pages = NoPages(),
     ):
         self.pages = pages  # the control pages: told when a member leaves, a set fails or is freed
@@ -72,28 +72,27 @@ class Rendezvous:
         self._free = free
         self._timers = timers
         self._quotas = quotas
-        self.rendezvous_timeout = rendezvous_timeout
-        self.commit_timeout = agreement_timeout  # a commit vote is an agreement among the set's ranks
+        self._waits = waits
         self.index = SetIndex()
         self.rank_deaths = 0  # processes that died holding a rank of a buffer set
         self._ids = 0
 
     # ------------------------------------------------------------ join and withdraw
 
-    def join(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+    def join(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         rank, npes = req["rank"], req["npes"]
         if rank >= npes:
             return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
         refusal = self._quotas.shape_refusal(req)
         if refusal:
             return [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
-        bset, out = self._set_to_join(caller, pid, (uid, req["group"], req["name"]), req, now)
+        bset, out = self._set_to_join(caller, (who.uid, req["group"], req["name"]), req, now)
         if bset is None:
             return out
-        return self._take_slot(bset, caller, pid, uid, req, now)
+        return self._take_slot(bset, caller, who, req, now)
 
     def _set_to_join(
-        self, caller: Caller, pid: int, key: SetKey, req: dict[str, Any], now: float
+        self, caller: Caller, key: SetKey, req: dict[str, Any], now: float
     ) -> tuple[BufferSet | None, Outbox]:
         """The set ``rank`` joins, or the replies that end its join here."""
         rank = req["rank"]
@@ -120,11 +119,9 @@ class Rendezvous:
             return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         return bset, []
 
-    def _take_slot(
-        self, bset: BufferSet, caller: Caller, pid: int, uid: int | None, req: dict[str, Any], now: float
-    ) -> Outbox:
+    def _take_slot(self, bset: BufferSet, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         """Allocate ``rank``'s buffer within its uid's and device's share; open the set once every rank is in."""
-        rank, device = req["rank"], req["device"]
+        rank, device, pid, uid = req["rank"], req["device"], who.pid, who.uid
         refusal = self._quotas.usage_refusal(bset.nbytes, uid, device)
         if refusal:
             bset.told.add(rank)
@@ -137,7 +134,7 @@ class Rendezvous:
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
         bset.slots[rank] = Slot(rank, pid, uid, device, allocation, now, waiter=caller)
-        timeout = req["timeout"] or self.rendezvous_timeout
+        timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
         log.info("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
                  device)
@@ -146,13 +143,13 @@ class Rendezvous:
             return []
         return self._open(bset)
 
-    def withdraw(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
+    def withdraw(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         """A rank that cannot take part: every rank waiting fails now, ranks still to come on arrival.
 
         The verdict is a failed set like any other (its rendezvous had no
         memory yet). See Note [Failure verdicts are kept].
         """
-        key = (uid, req["group"], req["name"])
+        key, pid = (who.uid, req["group"], req["name"]), who.pid
         rank, npes = req["rank"], req["npes"]
         if rank >= npes:
             return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
@@ -164,7 +161,7 @@ class Rendezvous:
                 return [refused]
             bset = None
         if bset is None:
-            kept = sum(b.owner_uid == uid for b in self.index.current.values())
+            kept = sum(b.owner_uid == who.uid for b in self.index.current.values())
             if self._quotas.sets_refusal(kept, key[1], key[2]):
                 return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
             bset = self._new_set(key, npes, 0, 0, now)
@@ -260,14 +257,14 @@ class Rendezvous:
                 self._forget(bset)
             else:  # keep the verdict for ranks that join late, then forget it
                 self._timers.cancel(*bset.timers)
-                keep = (now if now is not None else bset.created) + 2 * max(self.rendezvous_timeout, bset.patience)
+                keep = (now if now is not None else bset.created) + 2 * max(self._waits.rendezvous, bset.patience)
                 bset.timers[:] = [self._timers.at(keep, lambda t, b=bset: self._forget(b))]
         return out
 
     # ------------------------------------------------------------ commit and release
 
-    def commit(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        bset, error = self._member_set(req, pid, uid)
+    def commit(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        bset, error = self._member_set(req, who)
         if error:
             return [Send(caller, error=error)]
         if bset.state is State.JOINING:
@@ -277,7 +274,7 @@ class Rendezvous:
         if req["rank"] in bset.commit.votes:
             return [refuse(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
         if not bset.commit.votes:
-            timeout = req["timeout"] or self.commit_timeout
+            timeout = req["timeout"] or self._waits.agreement
             timer = self._timers.at(now + timeout, lambda t, b=bset: self._commit_due(b, timeout))
             bset.commit.on_settle = lambda: self._timers.cancel(timer)
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
@@ -302,11 +299,11 @@ class Rendezvous:
         )
         return self._fail(bset, ErrorCode.TIMEOUT, message)
 
-    def release(self, caller: Caller, pid: int, req: dict[str, Any], now: float, uid: int | None = None) -> Outbox:
-        bset, error = self._member_set(req, pid, uid)
+    def release(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
+        bset, error = self._member_set(req, who)
         if error:
             return [Send(caller, error=error)]
-        slot = bset.slots[req["rank"]]
+        slot, pid = bset.slots[req["rank"]], who.pid
         if bset.state is State.JOINING:
             message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before every rank joined"
             return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
@@ -316,29 +313,27 @@ class Rendezvous:
             out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
 
-    def opened_set(self, req: dict[str, Any], pid: int, uid: int | None = None) -> BufferSet:
+    def opened_set(self, req: dict[str, Any], who: Credentials) -> BufferSet:
         """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
 
         Raises ProtocolError when there is none (NOT_MEMBER, NOT_FOUND, the set's failure).
         """
-        bset, error = self._member_set(req, pid, uid)
+        bset, error = self._member_set(req, who)
         if error:
             raise error
         if bset.state not in (State.OPENING, State.LIVE):
             raise bset.failure or ProtocolError(ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")
         return bset
 
-    def _member_set(
-        self, req: dict[str, Any], pid: int, uid: int | None
-    ) -> tuple[BufferSet | None, ProtocolError | None]:
+    def _member_set(self, req: dict[str, Any], who: Credentials) -> tuple[BufferSet | None, ProtocolError | None]:
         """The set of ``uid``'s namespace in which ``pid`` holds ``rank``, or why there is none.
 
         Retired sets count: see Note [Retired sets]. Without one, the key's
         current set says why: another pid holds the rank, or its kept verdict
         (see Note [Failure verdicts are kept]).
         """
-        key, rank = (uid, req["group"], req["name"]), req["rank"]
-        for bset in self.index.of_group(uid, req["group"]):
+        key, rank, pid = (who.uid, req["group"], req["name"]), req["rank"], who.pid
+        for bset in self.index.of_group(who.uid, req["group"]):
             if bset.name != req["name"]:
                 continue
             slot = bset.slots.get(rank)

@@ -9,23 +9,21 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import socket
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import zmq
 
-from . import __version__
-from .admission import ACCESS, admit, forbidden
+from . import __version__, report
+from .admission import admit, forbidden
 from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
-from .health import NEARLY, problems
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .outbox import Outbox, Send
@@ -37,21 +35,12 @@ from .lockfile import SocketLock
 from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
-from .protocol import (
-    LS_PAGE_BYTES,
-    MAX_REQUEST_BYTES,
-    VERSION,
-    ErrorCode,
-    ProtocolError,
-    decode_request,
-    encode_error,
-    encode_reply,
-    request_id_of,
-    validate_body,
-)
+from .ops import OPS, Op, decode_request, validate_request
+from .protocol import LS_PAGE_BYTES, MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_reply, request_id_of
 from .settings import Loader, Settings
 from .tally import Tally
-from .trust import Credentials, NotASocket, credentials
+from .credentials import Credentials
+from .trust import NotASocket, credentials
 
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
 TICK_S = 1.0
@@ -79,10 +68,20 @@ ROUTER_SNDHWM = 32
 MESSAGES_PER_TURN = ROUTER_SNDHWM
 TURN_S = 0.01
 
-#: problems `peerd status` lists at most (each stuck set is one)
-MAX_PROBLEMS_SHOWN = 20
-
 log = logging.getLogger("peerd.server")
+
+
+class Route(NamedTuple):
+    """Where a reply goes: the connection, the request's id, and what was asked and when (errors are
+    checked against the op's record, metrics time the answer)."""
+
+    identity: bytes
+    request_id: int | None
+    op: str | None = None
+    since: float = 0.0
+
+
+Handler = Callable[[Route, Credentials, dict], Outbox]
 
 
 class Daemon:
@@ -112,17 +111,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
-        self._handlers: dict[str, Callable[[Any, Credentials, dict], Outbox]] = {
-            "join": self._stateful(self.registry.join),
-            "commit": self._stateful(self.registry.commit),
-            "release": self._stateful(self.registry.release),
-            "withdraw": self._stateful(self.registry.withdraw),
-            "agree": self._stateful(self.registry.agree),
-            "evict": self._evict,
-            "hello": self._immediate(self._hello),
-            "status": lambda caller, who, body: [Send(caller, self._status(who.uid))],
-            "ls": self._ls,
-        }
+        self._handlers = {name: self._handler(op) for name, op in OPS.items()}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -282,7 +271,7 @@ class Daemon:
             self._wake_r.recv(4096)
             out += self._handle_signals(now)
         if self._router in events:
-            self._serve_router()
+            self._read_router()
         readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]
         for fd in readable:
             poller.unregister(fd)
@@ -317,7 +306,7 @@ class Daemon:
             waits.append(max(0.0, self._drain_until - time.monotonic()))
         return None if not waits else int(min(waits) * 1000) + 1
 
-    def _serve_router(self) -> None:
+    def _read_router(self) -> None:
         """Serve queued requests, each reply sent at once: one poll serves a burst, and a flood
         can neither hold replies back nor keep the loop from timers, deaths and signals."""
         turn_ends = time.monotonic() + TURN_S
@@ -346,11 +335,9 @@ class Daemon:
             request = decode_request(payload.bytes)
         except ProtocolError as err:
             log.warning("pid %d sent a bad request: %s", who.pid, err)
-            return [Send((identity, err.request_id), error=err)]
-        caller = (identity, request.id)
-        if self.metrics is not None:
-            self.metrics.received(caller, request.op)
-        refusal = admit(ACCESS[request.op], who, allowed, self._drain_until is not None, self._admins)
+            return [Send(Route(identity, err.request_id), error=err)]
+        caller = Route(identity, request.id, request.op, time.monotonic())
+        refusal = admit(OPS[request.op], who, allowed, self._drain_until is not None, self._admins)
         if refusal is not None:
             return [Send(caller, error=refusal)]
         try:
@@ -363,8 +350,11 @@ class Daemon:
         for send in out:
             if self.metrics is not None:
                 self.metrics.answered(send)
-            identity, request_id = send.caller
+            identity, request_id, op = send.caller[:3]
             if send.error is not None:
+                if op is not None and not OPS[op].answers(send.error.code):
+                    log.error("bug: %s answered %s, which its record in peerd/ops.py does not declare",
+                              op, send.error.code.value)
                 frame = encode_error(request_id, send.error.code, send.error.message)
             else:
                 frame = encode_reply(request_id, send.body)
@@ -388,7 +378,7 @@ class Daemon:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same
             request_id = None
-        return [Send((identity, request_id), error=forbidden(who))]
+        return [Send(Route(identity, request_id), error=forbidden(who))]
 
     def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
         """The fd channel's answer: the handles and fds of the set in which pid holds the rank asked for."""
@@ -396,7 +386,7 @@ class Daemon:
         if not self.allowlist.allows(uid, gid, pid):
             raise forbidden(who)
         wants_page, request = self.pages.split_request(request)
-        bset = self.registry.opened_set(validate_body("release", request), pid, uid)  # a slot, named as release names it
+        bset = self.registry.opened_set(validate_request("release", request), who)  # a slot, named as release names it
         if wants_page:
             return self.pages.handout(bset)
         allocations = [bset.slots[r].allocation for r in range(bset.npes)]
@@ -406,35 +396,48 @@ class Daemon:
                                 "its handles open the memory")
         return [a.handle for a in allocations], fds
 
-    def _stateful(self, method: Callable[..., Outbox]) -> Callable[[Any, Credentials, dict], Outbox]:
-        """A registry op: watch the caller's pid first, so its death is seen.
+    def _handler(self, op: Op) -> Handler:
+        """The op's handler, as its record says: Registry.<name>, after watching the caller's pid so its
+        death is seen (the caller's uid picks its key namespace), else the daemon's own _serve_<name>."""
+        if not op.registry:
+            return getattr(self, f"_serve_{op.name}")
+        method = getattr(self.registry, op.name)
 
-        The caller's uid picks its key namespace: it reaches only its own groups.
-        """
-
-        def handle(caller: Any, who: Credentials, body: dict) -> Outbox:
+        def handle(caller: Route, who: Credentials, body: dict) -> Outbox:
             fd = self._watcher.watch(who.pid)
             if fd is not None:
                 self._poller.register(fd, zmq.POLLIN)
-            return method(caller, who.pid, body, time.monotonic(), uid=who.uid)
+            return method(caller, who, body, time.monotonic())
 
         return handle
 
-    def _evict(self, caller: Any, who: Credentials, body: dict) -> Outbox:
-        """Free a stuck group by force, in every uid's namespace unless one is named (admins only: see ACCESS)."""
+    def _serve_evict(self, caller: Route, who: Credentials, body: dict) -> Outbox:
+        """Free a stuck group by force, in every uid's namespace unless one is named (admins only: see peerd.ops)."""
         log.warning("pid %d (uid %d) evicts group=%s name=%s of uid %s", who.pid, who.uid, body["group"],
                     body["name"] or "*", "*" if body["uid"] is None else body["uid"])
         out, evicted = self.registry.evict(body["group"], body["name"], body["uid"])
         return out + [Send(caller, {"evicted": evicted})]
 
-    def _ls(self, caller: Any, who: Credentials, body: dict) -> Outbox:
+    def _serve_ls(self, caller: Route, who: Credentials, body: dict) -> Outbox:
         """One page of the caller's buffer sets after its cursor (peerd.paging)."""
         shown, more = page(self.registry.listing(time.monotonic(), who.uid), body["after"], body["limit"], LS_PAGE_BYTES)
         return [Send(caller, {"groups": shown, "more": more})]
 
-    @staticmethod
-    def _immediate(build: Callable[[], dict]) -> Callable[[Any, Credentials, dict], Outbox]:
-        return lambda caller, who, body: [Send(caller, build())]
+    def _serve_hello(self, caller: Route, who: Credentials, body: dict) -> Outbox:
+        return [Send(caller, {**report.hello(self.registry, self.backend), "instance": self.pages.instance})]
+
+    def _serve_status(self, caller: Route, who: Credentials, body: dict) -> Outbox:
+        loop = {
+            "draining": self._drain_until is not None,
+            "allowed": {"uids": sorted(self.allowlist.uids), "gids": sorted(self.allowlist.gids)},
+            "socket": self.socket_path,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "clients_watched": len(self._watcher.fds),
+            "liveness": "polling" if self._watcher.polling else "pidfd",
+            "connections": self._guard.snapshot(),
+            "replies_dropped": self._dropped.total,
+        }
+        return [Send(caller, report.status(self.registry, self.backend, who.uid, loop))]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """The registry's allocate: the one place where a backend's failure becomes an error code."""
@@ -448,43 +451,3 @@ class Daemon:
             raise ProtocolError(
                 ErrorCode.ALLOCATION_FAILED, f"allocating {nbytes} bytes on {device} failed: {err}"
             ) from err
-
-    def _hello(self) -> dict:
-        return {
-            "version": __version__,
-            "protocol": VERSION,
-            "pid": os.getpid(),
-            "backend": self.backend.name,
-            "rendezvous_timeout": self.registry.rendezvous_timeout,
-            "agreement_timeout": self.registry.agreement_timeout,
-            "instance": self.pages.instance,
-        }
-
-    def _status(self, viewer: int) -> dict:
-        """What `peerd status` shows ``viewer``: other users' groups only to administrators (health.problems)."""
-        devices = self.backend.devices()
-        connections = self._guard.snapshot()
-        found = problems(self.registry, devices, time.monotonic(), viewer)
-        if connections["open"] >= NEARLY * connections["max"]:
-            found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
-        if len(found) > MAX_PROBLEMS_SHOWN:
-            found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
-        return {
-            **self._hello(),
-            "health": "degraded" if found else "healthy",
-            "problems": found,
-            "draining": self._drain_until is not None,
-            "allowed": {"uids": sorted(self.allowlist.uids), "gids": sorted(self.allowlist.gids)},
-            "limits": dataclasses.asdict(self.registry.limits),
-            "socket": self.socket_path,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "devices": devices,
-            "groups": len(self.registry.all_sets()),
-            "ranks_held": self.registry.ranks_holding(),
-            "bytes_allocated": sum(self.registry.bytes_by_device.values()),
-            "agreements_pending": len(self.registry.agreements),
-            "clients_watched": len(self._watcher.fds),
-            "liveness": "polling" if self._watcher.polling else "pidfd",
-            "connections": connections,
-            "replies_dropped": self._dropped.total,
-        }

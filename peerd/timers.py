@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 from typing import Callable
 
 from .outbox import Outbox
+from .protocol import DEFAULT_DEADLINE_S
 
 Check = Callable[[float], Outbox]
+
+
+@dataclass
+class Waits:
+    """How long a wait lasts when its caller sends no deadline: one object the rendezvous and the
+    agreements both read, so a SIGHUP sets each default in one place."""
+
+    rendezvous: float = DEFAULT_DEADLINE_S  # a join, for every rank of its set
+    agreement: float = DEFAULT_DEADLINE_S  # a tp_agree round, and a set's commit vote (an agreement among its ranks)
 
 
 class Timers:

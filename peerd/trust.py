@@ -26,9 +26,10 @@ import os
 import pwd
 import stat
 from collections.abc import Collection
-from dataclasses import dataclass
 
 import zmq
+
+from .credentials import Credentials
 
 DAEMON_USER_ENV = "PEERD_DAEMON_USER"
 SYSTEM_DAEMON_USER = "peerd"  # systemd/peerd.sysusers creates it; peerd.service runs as it
@@ -56,13 +57,6 @@ class AccessDenied(SocketPathError):
     """This user may not enter a directory on the way, or not connect to the socket."""
 
     code = "PERMISSION_DENIED"
-
-
-@dataclass(frozen=True)
-class Credentials:
-    uid: int
-    gid: int
-    pid: int
 
 
 def credentials(frame: zmq.Frame) -> Credentials | None:

@@ -116,10 +116,15 @@ class Daemon:
         return self
 
     def stop(self) -> int:
+        """SIGTERM; the exit code. Every error the daemon answered must be one its op declares
+        (peerd/ops.py): each test that provokes an error checks the declarations too."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=20)
+        code = self.proc.wait(timeout=20)
+        undeclared = [line for line in self.logs().splitlines() if "does not declare" in line]
+        assert not undeclared, "the daemon answered errors its ops do not declare:\n" + "\n".join(undeclared)
+        return code
 
     def segments(self) -> list[int]:
         """Host buffers this daemon still holds: the inodes of its memfds."""

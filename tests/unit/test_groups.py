@@ -7,6 +7,7 @@ import pytest
 from peerd import quotas
 from peerd.backends import Allocation
 from peerd.buffersets import State
+from peerd.credentials import Credentials
 from peerd.quotas import MAX_RUN_AHEAD, Limits
 from peerd.registry import Registry
 from peerd.protocol import ErrorCode, ProtocolError
@@ -42,24 +43,29 @@ def reg(mem):
     return Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)
 
 
+def who(pid: int, uid: int | None = None) -> Credentials:
+    """A caller as the kernel would report it (uid None: the unit tests' one namespace)."""
+    return Credentials(uid, uid, pid)
+
+
 def join(reg, rank, npes=2, now=0.0, pid=None, **over):
     body = {"group": "g", "name": "n", "rank": rank, "npes": npes, "nbytes": 64, "device": "d",
             "flags": 0, "timeout": None, **over}
-    return reg.join(("c", rank), pid if pid is not None else 100 + rank, body, now)
+    return reg.join(("c", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
 def commit(reg, rank, ok=True, now=0.0, pid=None, reason=""):
     body = {"group": "g", "name": "n", "rank": rank, "ok": ok, "reason": reason, "timeout": None}
-    return reg.commit(("v", rank), pid if pid is not None else 100 + rank, body, now)
+    return reg.commit(("v", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
 def release(reg, rank, pid=None):
-    return reg.release(("r", rank), pid if pid is not None else 100 + rank, {"group": "g", "name": "n", "rank": rank}, 0.0)
+    return reg.release(("r", rank), who(pid if pid is not None else 100 + rank), {"group": "g", "name": "n", "rank": rank}, 0.0)
 
 
 def agree(reg, rank, ok=True, npes=2, now=0.0, timeout=None, group="a"):
     body = {"group": group, "rank": rank, "npes": npes, "ok": ok, "timeout": timeout}
-    return reg.agree(("a", rank), 100 + rank, body, now)
+    return reg.agree(("a", rank), who(100 + rank), body, now)
 
 
 def errors(out):
@@ -263,7 +269,7 @@ def test_a_new_process_may_take_a_dead_ranks_place(reg):
     agree(reg, 0), agree(reg, 1)
     reg.process_died(101, 1.0)
     fresh = {"group": "a", "rank": 1, "npes": 2, "ok": True, "timeout": None}
-    assert reg.agree(("n", 1), 201, fresh, 2.0) == []
+    assert reg.agree(("n", 1), who(201), fresh, 2.0) == []
     assert bodies(agree(reg, 0))[("a", 0)]["ok"] is True
 
 
@@ -280,14 +286,14 @@ def test_a_buffer_set_member_that_dies_fails_its_groups_agreement(reg):
 def test_agreement_npes_mismatch_and_impostor(reg):
     agree(reg, 0, npes=2)
     assert errors(agree(reg, 1, npes=3))[("a", 1)].code is ErrorCode.MISMATCH
-    impostor = reg.agree(("x", 0), 999, {"group": "a", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
+    impostor = reg.agree(("x", 0), who(999), {"group": "a", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
     assert errors(impostor)[("x", 0)].code is ErrorCode.NOT_MEMBER
 
 
 def test_shutdown_fails_every_waiter_and_frees_everything(reg, mem):
     live_set(reg)
     body = {"group": "w", "name": "n", "rank": 0, "npes": 2, "nbytes": 8, "device": "d", "flags": 0, "timeout": None}
-    reg.join(("w", 0), 300, body, 0.0)
+    reg.join(("w", 0), who(300), body, 0.0)
     agree(reg, 0, group="pending")
     failed = errors(reg.shutdown())
     assert set(failed) == {("w", 0), ("a", 0)}
@@ -301,40 +307,40 @@ def test_limits_refuse_before_allocating(mem):
     assert "limit of 100 bytes (100 B) per buffer" in errors(join(reg, 0, nbytes=101))[("c", 0)].message
     assert "limit of 4 ranks per group" in errors(join(reg, 0, npes=5))[("c", 0)].message
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
-    reg.join(("u", 0), 100, body, 0.0, uid=7)
-    reg.join(("u", 1), 101, {**body, "rank": 1}, 0.0, uid=7)
-    over = errors(reg.join(("u", 2), 102, {**body, "name": "m"}, 0.0, uid=7))[("u", 2)]
+    reg.join(("u", 0), who(100, 7), body, 0.0)
+    reg.join(("u", 1), who(101, 7), {**body, "rank": 1}, 0.0)
+    over = errors(reg.join(("u", 2), who(102, 7), {**body, "name": "m"}, 0.0))[("u", 2)]
     assert over.code is ErrorCode.LIMIT_EXCEEDED and "uid 7 holds 128 bytes and asks for 64 more" in over.message
     assert len(mem.live) == 2
-    reg.join(("v", 0), 200, {**body, "name": "x"}, 0.0, uid=8)
-    third = errors(reg.join(("w", 0), 300, {**body, "name": "y"}, 0.0, uid=9))[("w", 0)]
+    reg.join(("v", 0), who(200, 8), {**body, "name": "x"}, 0.0)
+    third = errors(reg.join(("w", 0), who(300, 9), {**body, "name": "y"}, 0.0))[("w", 0)]
     assert "already holds 2 buffer sets" in third.message
 
 
 def test_each_uid_has_its_own_key_namespace(reg):
     """A user who takes another's key gets a group of her own: she can neither block nor touch the first."""
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
-    assert reg.join(("a", 0), 100, body, 0.0, uid=1000) == []
-    squatter = [reg.join(("b", r), 200 + r, {**body, "rank": r}, 0.0, uid=1001) for r in (0, 1)]
+    assert reg.join(("a", 0), who(100, 1000), body, 0.0) == []
+    squatter = [reg.join(("b", r), who(200 + r, 1001), {**body, "rank": r}, 0.0) for r in (0, 1)]
     assert set(bodies(squatter[1])) == {("b", 0), ("b", 1)}, "her own set opens"
-    assert reg.join(("r", 1), 300, {**body, "rank": 1}, 0.0, uid=0) == [], "root joins root's own namespace"
+    assert reg.join(("r", 1), who(300, 0), {**body, "rank": 1}, 0.0) == [], "root joins root's own namespace"
     first = reg.sets[(1000, "g", "n")]
     assert first.state is State.JOINING and sorted(first.slots) == [0], "user 1000's set is untouched"
     slot = {"group": "g", "name": "n", "rank": 0}
-    refused = errors(reg.release(("x", 0), 100, slot, 0.0, uid=1001))[("x", 0)]
+    refused = errors(reg.release(("x", 0), who(100, 1001), slot, 0.0))[("x", 0)]
     assert refused.code is ErrorCode.NOT_MEMBER and first.slots[0].held
-    assert bodies(reg.join(("a", 1), 101, {**body, "rank": 1}, 0.0, uid=1000)), "user 1000's job completes"
+    assert bodies(reg.join(("a", 1), who(101, 1000), {**body, "rank": 1}, 0.0)), "user 1000's job completes"
     vote = {"group": "v", "rank": 0, "npes": 2, "ok": True, "timeout": None}
-    assert reg.agree(("p", 0), 100, vote, 0.0, uid=1000) == []
-    assert reg.agree(("q", 1), 201, {**vote, "rank": 1, "ok": False}, 0.0, uid=1001) == []
-    assert bodies(reg.agree(("p", 1), 101, {**vote, "rank": 1}, 0.0, uid=1000))[("p", 0)]["ok"] is True
+    assert reg.agree(("p", 0), who(100, 1000), vote, 0.0) == []
+    assert reg.agree(("q", 1), who(201, 1001), {**vote, "rank": 1, "ok": False}, 0.0) == []
+    assert bodies(reg.agree(("p", 1), who(101, 1000), {**vote, "rank": 1}, 0.0))[("p", 0)]["ok"] is True
 
 
 def test_listing_shows_admins_every_uid_and_others_their_own(mem):
     reg = Registry(mem.allocate, mem.free, admins=frozenset({0, 42}))
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
     for uid, group in ((1001, "b"), (1000, "b"), (1000, "a")):
-        reg.join((uid, group), uid, {**body, "group": group}, 0.0, uid=uid)
+        reg.join((uid, group), who(uid, uid), {**body, "group": group}, 0.0)
     assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 0)] == [("a", 1000), ("b", 1000), ("b", 1001)]
     assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 42)] == [("a", 1000), ("b", 1000), ("b", 1001)]
     assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 1001)] == [("b", 1001)]
@@ -344,7 +350,7 @@ def test_listing_shows_admins_every_uid_and_others_their_own(mem):
 def test_evict_reaches_every_namespace_unless_a_uid_narrows_it(reg, mem):
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
     for uid in (1000, 1001, 1002):
-        reg.join((uid, 0), uid, body, 0.0, uid=uid)
+        reg.join((uid, 0), who(uid, uid), body, 0.0)
     _, evicted = reg.evict("g", None, uid=1001)
     assert [e["uid"] for e in evicted] == [1001] and set(reg.sets) == {(1000, "g", "n"), (1002, "g", "n")}
     _, evicted = reg.evict("g", None)
@@ -366,15 +372,15 @@ def test_one_uid_keeps_a_bounded_number_of_agreements_and_open_rounds(reg, monke
     monkeypatch.setattr(quotas, "MAX_PENDING_ROUNDS_PER_UID", 4)
     vote = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
     for g in range(3):
-        assert reg.agree(("c", g), 100, {**vote, "group": f"g{g}"}, 0.0, uid=5) == []
-    over = errors(reg.agree(("c", 3), 100, {**vote, "group": "g3"}, 0.0, uid=5))[("c", 3)]
+        assert reg.agree(("c", g), who(100, 5), {**vote, "group": f"g{g}"}, 0.0) == []
+    over = errors(reg.agree(("c", 3), who(100, 5), {**vote, "group": "g3"}, 0.0))[("c", 3)]
     assert over.code is ErrorCode.LIMIT_EXCEEDED and "uid 5 already keeps 3 agreements" in over.message
-    assert reg.agree(("o", 0), 300, {**vote, "group": "g3"}, 0.0, uid=6) == [], "another uid is not affected"
-    assert reg.agree(("c", 4), 100, {**vote, "group": "g0"}, 0.0, uid=5) == []  # 4 rounds open now
-    full = errors(reg.agree(("c", 5), 100, {**vote, "group": "g1"}, 0.0, uid=5))[("c", 5)]
+    assert reg.agree(("o", 0), who(300, 6), {**vote, "group": "g3"}, 0.0) == [], "another uid is not affected"
+    assert reg.agree(("c", 4), who(100, 5), {**vote, "group": "g0"}, 0.0) == []  # 4 rounds open now
+    full = errors(reg.agree(("c", 5), who(100, 5), {**vote, "group": "g1"}, 0.0))[("c", 5)]
     assert full.code is ErrorCode.LIMIT_EXCEEDED and "4 agreement rounds unsettled" in full.message
     reg.expire(100.0)  # every round times out: nothing is open any more
-    assert reg.open_rounds_by_uid == {} and reg.agree(("c", 6), 100, {**vote, "group": "g1"}, 200.0, uid=5) == []
+    assert reg.open_rounds_by_uid == {} and reg.agree(("c", 6), who(100, 5), {**vote, "group": "g1"}, 200.0) == []
     reg.process_died(100, 201.0)  # its only member died after voting: nobody waits on those rounds
     assert reg.open_rounds_by_uid == {} and reg.agreements_by_uid == {6: 1}
     assert reg.next_deadline() is None, "the abandoned round's timer went with it"
@@ -419,7 +425,7 @@ def test_pipelined_votes_cost_linear_work(reg):
 def test_only_the_process_holding_a_rank_votes_for_it(reg):
     """A forked child voting with its parent's rank is refused; the group's rounds go on unharmed."""
     live_set(reg)  # ranks 0 and 1 of group "g" held by pids 100 and 101
-    child = reg.agree(("child", 0), 555, {"group": "g", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
+    child = reg.agree(("child", 0), who(555), {"group": "g", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
     refused = errors(child)[("child", 0)]
     assert refused.code is ErrorCode.NOT_MEMBER and "held by pid 100" in refused.message
     assert reg.agreements == {}, "the refused vote left no trace"
@@ -451,7 +457,7 @@ def test_finished_waits_leave_no_timers_behind(reg, mem):
 def test_a_rank_releasing_before_it_voted_fails_the_others_at_once(reg):
     join(reg, 0), join(reg, 1)
     commit(reg, 0)
-    out = reg.release(("r", 1), 101, {"group": "g", "name": "n", "rank": 1}, 1.0)
+    out = reg.release(("r", 1), who(101), {"group": "g", "name": "n", "rank": 1}, 1.0)
     verdict = bodies(out)[("v", 0)]
     assert verdict["ok"] is False and "rank 1 (pid 101)" in verdict["reason"] and "released before" in verdict["reason"]
 
@@ -497,23 +503,23 @@ def test_a_sets_memory_goes_to_the_pid_holding_a_rank_once_the_handles_went_out(
     slot = {"group": "g", "name": "n", "rank": 0}
     join(reg, 0)
     with pytest.raises(ProtocolError) as early:
-        reg.opened_set(slot, 100)
+        reg.opened_set(slot, who(100))
     assert early.value.code is ErrorCode.BAD_REQUEST and "has not sent its handles" in early.value.message
     join(reg, 1)
-    assert reg.opened_set(slot, 100).state is State.OPENING
+    assert reg.opened_set(slot, who(100)).state is State.OPENING
     with pytest.raises(ProtocolError) as other:
-        reg.opened_set(slot, 999)
+        reg.opened_set(slot, who(999))
     assert other.value.code is ErrorCode.NOT_MEMBER and "belongs to pid 100" in other.value.message
     commit(reg, 0, ok=False)
     commit(reg, 1)
     with pytest.raises(ProtocolError) as failed:
-        reg.opened_set(slot, 100)
+        reg.opened_set(slot, who(100))
     assert failed.value.code is ErrorCode.GROUP_FAILED
 
 
 def withdraw(reg, rank, npes=3, pid=None, now=0.0):
     body = {"group": "g", "name": "n", "rank": rank, "npes": npes, "reason": "BackendUnavailable: no CUDA"}
-    return reg.withdraw(("w", rank), pid if pid is not None else 100 + rank, body, now)
+    return reg.withdraw(("w", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
 def test_a_withdrawn_rank_fails_the_waiting_ranks_now_and_the_late_ones_on_arrival(reg, mem):

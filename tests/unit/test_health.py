@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from peerd.health import problems
 from peerd.registry import Registry
-from tests.unit.test_groups import FakeMemory
+from tests.unit.test_groups import FakeMemory, who
 
 OWNER, OTHER = 1000, 2000
 
@@ -16,7 +16,7 @@ def stuck_registry() -> Registry:
                    admins=frozenset({0}))
     body = {"group": "secret-job", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d",
             "flags": 0, "timeout": 1000}
-    assert reg.join(("c", 0), 4242, body, 0.0, uid=OWNER) == []
+    assert reg.join(("c", 0), who(4242, OWNER), body, 0.0) == []
     return reg
 
 

@@ -9,7 +9,8 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd import protocol
+from peerd import ops, protocol
+from peerd.credentials import Credentials
 from peerd.registry import Registry
 from peerd.protocol import ProtocolError
 from tests.unit.test_groups import FakeMemory
@@ -25,19 +26,19 @@ values = st.recursive(
 @given(st.binary(max_size=512))
 def test_any_bytes_decode_or_raise_protocol_error(frame):
     try:
-        protocol.decode_request(frame)
+        ops.decode_request(frame)
     except ProtocolError:
         pass
 
 
-@given(st.sampled_from(sorted(protocol.OPS) + ["nope"]), values, st.integers(-5, 2**64 - 1) | values)
+@given(st.sampled_from(sorted(ops.OPS) + ["nope"]), values, st.integers(-5, 2**64 - 1) | values)
 def test_any_msgpack_request_decodes_or_raises_protocol_error(op, body, request_id):
     frame = msgpack.packb({"v": 1, "id": request_id, "op": op, "body": body}, use_bin_type=True)
     try:
-        request = protocol.decode_request(frame)
+        request = ops.decode_request(frame)
     except ProtocolError:
         return
-    assert request.op == op and set(request.body) == set(protocol.OPS[op])
+    assert request.op == op and set(request.body) == set(ops.OPS[op].request)
 
 
 PIDS = [100, 101, 102, 103, 104]
@@ -71,7 +72,7 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
     def call(method, pid, body):
         caller = ("c", next(ids))
         issued[caller] = pid
-        deliver(method(caller, pid, body, now))
+        deliver(method(caller, Credentials(None, None, pid), body, now))
 
     for ev in events:
         kind = ev[0]

@@ -2,8 +2,8 @@
 
 import pytest
 
-from peerd.protocol import OPS, ErrorCode, ProtocolError
-from peerd.replies import REPLIES, check_reply
+from peerd.ops import OPS, check_reply
+from peerd.protocol import ErrorCode, ProtocolError
 
 HELLO = {"version": "1.0", "protocol": 1, "pid": 7, "backend": "host",
          "rendezvous_timeout": 60.0, "agreement_timeout": 60}
@@ -20,8 +20,8 @@ GOOD = {
 }
 
 
-def test_every_op_has_a_reply_schema():
-    assert set(REPLIES) == set(OPS) == set(GOOD)
+def test_every_op_has_a_well_formed_reply_here():
+    assert set(OPS) == set(GOOD)
 
 
 @pytest.mark.parametrize("op", sorted(GOOD))
@@ -35,7 +35,7 @@ def test_a_well_formed_reply_passes(op):
     ("commit", {"ok": 1, "reason": ""}, "'ok'"),
     ("release", {"freed": None}, "'freed'"),
     ("hello", {**HELLO, "pid": True}, "'pid'"),
-    ("ls", [], "not a map"),
+    ("ls", [], "must be a map"),
 ])
 def test_a_bad_reply_names_what_is_wrong(op, body, named):
     with pytest.raises(ProtocolError) as caught:
@@ -46,7 +46,7 @@ def test_a_bad_reply_names_what_is_wrong(op, body, named):
 def test_the_registrys_replies_fit_their_schemas():
     """The daemon's side: every reply body the registry builds passes the schema clients check."""
     from peerd.registry import Registry
-    from tests.unit.test_groups import FakeMemory, agree, bodies, commit, join, release
+    from tests.unit.test_groups import FakeMemory, agree, bodies, commit, join, release, who
 
     mem = FakeMemory()
     reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)
@@ -57,7 +57,7 @@ def test_the_registrys_replies_fit_their_schemas():
         "agree": bodies(agree(reg, 0, npes=1)),
     }
     join(reg, 0, npes=2)
-    replies["withdraw"] = bodies(reg.withdraw(("w", 0), 100, {"group": "g", "name": "n", "rank": 0, "npes": 2,
+    replies["withdraw"] = bodies(reg.withdraw(("w", 0), who(100), {"group": "g", "name": "n", "rank": 0, "npes": 2,
                                                                 "reason": "no"}, 0.0))
     _, evicted = reg.evict("g", None)
     replies["evict"] = {("e", 0): {"evicted": evicted}}

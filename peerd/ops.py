@@ -1,0 +1,175 @@
+"""Every op the daemon serves, each declared once: its request, its reply, its errors, who may call it.
+
+One record per op (circus keeps one command per module; jupyter_client one written spec).
+The daemon decodes requests, admits callers and resolves handlers from these records; the
+client validates its requests before they leave and every reply when it comes back; the
+daemon checks each error it sends against the op's list; ``docs/protocol.md`` is written
+from them (``python -m peerd.protodoc``). Standard library and msgpack only: workers load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol import (
+    KNOWN_FLAGS,
+    MAX_KEY_CHARS,
+    MAX_LS_PAGE,
+    MAX_NBYTES,
+    MAX_RANKS,
+    MAX_REASON_CHARS,
+    MAX_REQUEST_BYTES,
+    MAX_TIMEOUT_S,
+    ErrorCode,
+    Field,
+    ProtocolError,
+    Request,
+    between,
+    check_fields,
+    decode_envelope,
+    key,
+)
+
+E = ErrorCode
+
+#: What any op may answer: a malformed or refused request, or a bug on the daemon's side.
+COMMON_ERRORS = (E.BAD_REQUEST, E.UNSUPPORTED_VERSION, E.UNKNOWN_OP, E.FORBIDDEN, E.INTERNAL)
+
+#: What a rendezvous or commit answers once its set failed: the failure's own code (Note [Failure verdicts are kept]).
+SET_FAILURES = (E.MISMATCH, E.TIMEOUT, E.RANK_DIED, E.GROUP_FAILED, E.ALLOCATION_FAILED, E.DEVICE_UNKNOWN,
+                E.LIMIT_EXCEEDED, E.SHUTTING_DOWN)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op: what it means, the fields both ways, the errors it answers, who may call it, who serves it."""
+
+    name: str
+    means: str
+    request: dict[str, Field]
+    reply: dict[str, Field]
+    errors: tuple[ErrorCode, ...] = ()  # beyond COMMON_ERRORS
+    admin_only: bool = False  # root and the daemon's uid only: it reaches every uid's groups
+    while_draining: bool = True  # served after SIGTERM, while held buffers are given back
+    registry: bool = False  # served by Registry.<name> (the daemon watches the caller's pid first), else by the daemon
+
+    def answers(self, code: ErrorCode) -> bool:
+        return code in COMMON_ERRORS or code in self.errors
+
+
+def _cursor(value: list | None) -> str | None:
+    if value is None:
+        return None
+    if (len(value) != 3 or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
+            or isinstance(value[2], bool) or not isinstance(value[2], int)):
+        return f"must be [group, name, uid]: two strings of at most {MAX_KEY_CHARS} characters and an integer"
+    return None
+
+
+def _timeout(value: float | None) -> str | None:
+    if value is not None and not 0 < value <= MAX_TIMEOUT_S:
+        return f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value}"
+    return None
+
+
+def _flags(value: int) -> str | None:
+    return f"has unknown bits {value & ~KNOWN_FLAGS:#x} (known: {KNOWN_FLAGS:#x})" if value & ~KNOWN_FLAGS else None
+
+
+def _reason(value: str) -> str | None:
+    return None if len(value) <= MAX_REASON_CHARS else f"longer than {MAX_REASON_CHARS}"
+
+
+def _each(kind: type | tuple[type, ...]):
+    return lambda values: None if all(isinstance(v, kind) for v in values) else f"must hold only {kind}"
+
+
+_GROUP = Field(str, key)
+_NAME = Field(str, key)
+_RANK = Field(int, between(0, MAX_RANKS - 1))
+_NPES = Field(int, between(1, MAX_RANKS))
+_TIMEOUT = Field((int, float, type(None)), _timeout, None)
+_SLOT = {"group": _GROUP, "name": _NAME, "rank": _RANK}
+_VERDICT = {"ok": Field(bool), "reason": Field(str)}
+_NUMBER = (int, float)
+_HELLO = {
+    "version": Field(str), "protocol": Field(int), "pid": Field(int), "backend": Field(str),
+    "rendezvous_timeout": Field(_NUMBER), "agreement_timeout": Field(_NUMBER),
+}
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("join", "Join buffer set (group, name) as `rank`; the reply waits for every rank and carries every "
+       "rank's handle.",
+       {**_SLOT, "npes": _NPES, "nbytes": Field(int, between(1, MAX_NBYTES)), "device": Field(str, key),
+        "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
+       {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
+        "devices": Field(list, _each(str))},
+       errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
+       while_draining=False,  # a new set would outlive the drain
+       registry=True),
+    Op("commit", "Vote that this rank opened every peer's handle (or why it could not); the reply is the "
+       "set's verdict.",
+       {**_SLOT, "ok": Field(bool), "reason": Field(str, _reason, ""), "timeout": _TIMEOUT},
+       _VERDICT,
+       errors=(E.NOT_FOUND, E.NOT_MEMBER, *SET_FAILURES),
+       registry=True),
+    Op("withdraw", "This rank cannot take part (its backend or device is unusable here): fail the rendezvous "
+       "for every rank at once, and keep the verdict for ranks still to come.",
+       {**_SLOT, "npes": _NPES, "reason": Field(str, _reason)},
+       {},
+       errors=(E.RANK_INVALID, E.RANK_TAKEN),
+       registry=True),
+    Op("release", "Drop this rank's hold on the buffer set; the memory is freed once no rank holds it.",
+       _SLOT,
+       {"freed": Field(bool)},
+       errors=(E.NOT_FOUND, E.NOT_MEMBER, *SET_FAILURES),
+       registry=True),
+    Op("agree", "One round of tp_agree: the k-th call of each rank forms round k; the reply is the AND of "
+       "the votes, or False with the reason.",
+       {"group": _GROUP, "rank": _RANK, "npes": _NPES, "ok": Field(bool), "timeout": _TIMEOUT},
+       _VERDICT,
+       errors=(E.RANK_INVALID, E.NOT_MEMBER, E.MISMATCH, E.LIMIT_EXCEEDED, E.SHUTTING_DOWN),
+       registry=True),
+    Op("evict", "Free a stuck group by force, whoever holds it; name null: every set of it; uid null: that "
+       "group in every uid's namespace.",
+       {"group": _GROUP, "name": Field((str, type(None)), lambda v: None if v is None else key(v), None),
+        "uid": Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be a uid (>= 0)", None)},
+       {"evicted": Field(list, _each(dict))},
+       admin_only=True),
+    Op("hello", "First call of every connection: proves the daemon answers, gives its pid, backend and "
+       "default deadlines.", {}, _HELLO),
+    Op("status", "The daemon's health and picture, for `peerd status` (other users' groups only to "
+       "administrators).",
+       {}, {**_HELLO, "health": Field(str), "problems": Field(list), "draining": Field(bool)}),
+    Op("ls", "One page of the caller's buffer sets in (group, name, uid) order, after the cursor (the last "
+       "entry of the previous page; null: from the start).",
+       {"after": Field((list, type(None)), _cursor, None), "limit": Field(int, between(1, MAX_LS_PAGE), MAX_LS_PAGE)},
+       {"groups": Field(list, _each(dict)), "more": Field(bool)}),
+)}
+
+
+def validate_request(op: str, body: Any) -> dict[str, Any]:
+    """The body with defaults filled in, or ProtocolError naming the bad field (both sides call it)."""
+    return check_fields(op, OPS[op].request, body, closed=True)
+
+
+def check_reply(op: str, body: Any) -> None:
+    """ProtocolError (BAD_REQUEST) naming what is wrong with a reply body to ``op``.
+
+    Replies are open: fields beyond the declared ones may appear (status carries the daemon's
+    whole picture); the declared ones are what callers read.
+    """
+    check_fields(f"the {op} reply", OPS[op].reply, body, closed=False)
+
+
+def decode_request(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> Request:
+    """A validated request, or ProtocolError saying what is wrong with the frame."""
+    request_id, op, body = decode_envelope(frame, max_bytes)
+    try:
+        if op not in OPS:
+            raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known: {sorted(OPS)}")
+        return Request(request_id, op, validate_request(op, body))
+    except ProtocolError as err:
+        err.request_id = request_id
+        raise

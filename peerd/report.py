@@ -1,0 +1,62 @@
+"""What `peerd status` and hello answer: the daemon's picture, assembled apart from its loop.
+
+Reads the daemon's parts and changes nothing, so the loop (peerd.server) stays about
+serving, and what a caller may see is decided here: other users' groups only for
+administrators (peerd.health.problems).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+from . import __version__
+from .backends import MemoryBackend
+from .health import NEARLY, problems
+from .protocol import VERSION
+from .registry import Registry
+
+#: problems `peerd status` lists at most (each stuck set is one)
+MAX_PROBLEMS_SHOWN = 20
+
+
+def hello(registry: Registry, backend: MemoryBackend) -> dict[str, Any]:
+    """Who answers and the deadlines it applies unless a caller sends its own."""
+    return {
+        "version": __version__,
+        "protocol": VERSION,
+        "pid": os.getpid(),
+        "backend": backend.name,
+        "rendezvous_timeout": registry.rendezvous_timeout,
+        "agreement_timeout": registry.agreement_timeout,
+    }
+
+
+def status(registry: Registry, backend: MemoryBackend, viewer: int, loop: dict[str, Any]) -> dict[str, Any]:
+    """What `peerd status` shows ``viewer``; ``loop`` holds the serving loop's own facts (connections, drain).
+
+    Another user's groups and connection counts show only to administrators.
+    """
+    devices = backend.devices()
+    connections = loop["connections"]
+    if viewer not in registry.admins:  # who else is connected is the administrators' business
+        loop = {**loop, "connections": {**connections, "top_uids": [e for e in connections["top_uids"] if e[0] == viewer]}}
+    found = problems(registry, devices, time.monotonic(), viewer)
+    if connections["open"] >= NEARLY * connections["max"]:
+        found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
+    if len(found) > MAX_PROBLEMS_SHOWN:
+        found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
+    return {
+        **hello(registry, backend),
+        "health": "degraded" if found else "healthy",
+        "problems": found,
+        **loop,
+        "limits": dataclasses.asdict(registry.limits),
+        "devices": devices,
+        "groups": len(registry.all_sets()),
+        "ranks_held": registry.ranks_holding(),
+        "bytes_allocated": sum(registry.bytes_by_device.values()),
+        "agreements_pending": len(registry.agreements),
+    }
