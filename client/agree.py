@@ -7,7 +7,7 @@ import os
 import time
 
 from .connection import GRACE_S, connection
-from .errors import ForkedProcessError, MonoUnsupported
+from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import joined_by, resolve
 from .pagelink import GroupLink, link_for
 
@@ -65,6 +65,9 @@ def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | 
         return False
     if link.voter is None:
         return None
+    if link.daemon_gone:
+        raise DaemonUnavailable(f"the peerd daemon (instance {link.instance:#x}) that made group={member.key}'s "
+                                "control page went away: build the PeerBuffer again once a daemon runs")
     verdict = link.voter.agree(ok, deadline=time.monotonic() + timeout)
     if not verdict.ok:
         log.warning("tp_agree on group=%s is False: %s", member.key, verdict.reason)

@@ -41,6 +41,7 @@ class _DaemonWatch:
         self._alive = alive_fd
         self._stop_r, self._stop_w = os.pipe()
         self._page, self._instance = page, instance
+        self.gone = False  # the daemon run is over: tp_agree says DaemonUnavailable, as on the message path
         self._thread = threading.Thread(target=self._watch, name="peerd-daemon-watch", daemon=True)
         self._thread.start()
 
@@ -50,7 +51,8 @@ class _DaemonWatch:
         poller.register(self._stop_r, select.POLLIN)
         try:
             events = dict(poller.poll())
-            if self._stop_r not in events and self._page.aborted() is None:
+            self.gone = self._stop_r not in events
+            if self.gone and self._page.aborted() is None:
                 self._page.abort(AbortCode.SHUTDOWN, f"the peerd daemon (instance {self._instance:#x}) is gone: it "
                                                      "died or stopped; build the PeerBuffer again once it runs")
         finally:
@@ -74,6 +76,11 @@ class GroupLink:
         self.mapped = None  # hostmap.MappedPage where the buffer is on a GPU
         self.voter: PageVoter | None = None
         self._watch: _DaemonWatch | None = None
+
+    @property
+    def daemon_gone(self) -> bool:
+        """The daemon run that made the page ended (its alive pipe closed)."""
+        return self._watch is not None and self._watch.gone
 
     @property
     def abort_source(self):
