@@ -1,6 +1,6 @@
 """One member of a group with a control page, driven line by line by an integration test.
 
-    python tests/page_member.py --group G --rank R --npes N [--name NAME]
+    python tests/page_member.py --group G --rank R --npes N [--name NAME] [--no-map]
 
 Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool}, then
 answers each command read from stdin with one JSON line:
@@ -36,7 +36,17 @@ def main() -> None:
     parser.add_argument("--npes", type=int, required=True)
     parser.add_argument("--name", default="default")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--no-map", action="store_true", help="this rank cannot map the page (mmap refused)")
     args = parser.parse_args()
+    if args.no_map:
+        import peerd_client.pagelink
+        from peerd.controlpage import PageError
+
+        def refused(fd, **_):
+            os.close(fd)
+            raise PageError("mmap of the control page failed: Cannot allocate memory")
+
+        peerd_client.pagelink.ControlPage.attach = refused
 
     import torch
 
