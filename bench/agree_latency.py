@@ -37,77 +37,91 @@ PATHS = ("peerd", "gloo")
 
 def worker(rank, npes, args, start: C.Start, port, results) -> None:
     try:
-        import torch
-        import torch.distributed as dist
-
         from peerd_client import tp_agree
 
         C.torch_device(args.backend)
         C.init_gloo(port, rank, npes)
         key = f"agree-{npes}"
-        flag = torch.tensor([1], dtype=torch.int32)
-
-        def peerd_round():
-            return tp_agree(True, key, rank, npes)
-
-        def gloo_round():
-            flag.fill_(1)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            return bool(flag.item())
-
-        calls = {"peerd": peerd_round, "gloo": gloo_round}
-        for fn in calls.values():
-            for _ in range(args.warmup):
-                assert fn()
-        durations = {p: [] for p in PATHS}
-        periods = {p: [] for p in PATHS}
-        per_block = max(1, args.rounds // args.blocks)
-        clock = time.perf_counter
-        for b in range(args.blocks):
-            for path in (PATHS if b % 2 == 0 else PATHS[::-1]):
-                fn, out = calls[path], durations[path]
-                start.wait(rank)
-                t_block = clock()
-                for _ in range(per_block):
-                    t0 = clock()
-                    ok = fn()
-                    out.append(clock() - t0)
-                    if not ok:
-                        raise RuntimeError(f"{path} agreement returned False")
-                periods[path].append((clock() - t_block) / per_block)
-        synced = {p: [] for p in PATHS}  # (elapsed from the common instant, start lag) per round
-        for j in range(args.sync_rounds):
-            for path in (PATHS if j % 2 == 0 else PATHS[::-1]):
-                instant, late = start.wait(rank)
-                ok = calls[path]()
-                synced[path].append((time.monotonic() - instant, late))
-                if not ok:
-                    raise RuntimeError(f"{path} agreement returned False")
-        dist.destroy_process_group()
-        results.put((rank, durations, periods, synced, None))
+        timed = time_paths({"peerd": lambda: tp_agree(True, key, rank, npes), "gloo": gloo_round()}, rank, args,
+                           start)
+        results.put((rank, *timed, None))
     except BaseException:
         results.put((rank, {}, {}, {}, traceback.format_exc()))
         raise
 
 
-def measure(npes: int, args) -> dict:
+def gloo_round():
+    """A round of all_reduce(MIN) of one int over the process's gloo group: True when every rank said 1."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1], dtype=torch.int32)
+
+    def one_round():
+        flag.fill_(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    return one_round
+
+
+def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict, dict]:
+    """Time every path of ``calls`` (name -> a round returning True) the same way, alternating:
+    (per-call durations, per-block round periods, synchronized (elapsed, lag) pairs), by path."""
+    import torch.distributed as dist
+
+    paths = list(calls)
+    for fn in calls.values():
+        for _ in range(args.warmup):
+            assert fn()
+    durations = {p: [] for p in paths}
+    periods = {p: [] for p in paths}
+    per_block = max(1, args.rounds // args.blocks)
+    clock = time.perf_counter
+    for b in range(args.blocks):
+        for path in (paths if b % 2 == 0 else paths[::-1]):
+            fn, out = calls[path], durations[path]
+            start.wait(rank)
+            t_block = clock()
+            for _ in range(per_block):
+                t0 = clock()
+                ok = fn()
+                out.append(clock() - t0)
+                if not ok:
+                    raise RuntimeError(f"{path} agreement returned False")
+            periods[path].append((clock() - t_block) / per_block)
+    synced = {p: [] for p in paths}  # (elapsed from the common instant, start lag) per round
+    for j in range(args.sync_rounds):
+        for path in (paths if j % 2 == 0 else paths[::-1]):
+            instant, late = start.wait(rank)
+            ok = calls[path]()
+            synced[path].append((time.monotonic() - instant, late))
+            if not ok:
+                raise RuntimeError(f"{path} agreement returned False")
+    dist.destroy_process_group()
+    return durations, periods, synced
+
+
+def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> dict:
+    """Run ``target(rank, npes, args, start, port, results, *extra)`` on npes spawned
+    workers and summarize each of ``paths``."""
     ctx = mp.get_context("spawn")
     start = C.Start(ctx, npes, lead=args.lead)
     results = ctx.Queue()
     (port,) = C.free_ports(1)
-    procs = [ctx.Process(target=worker, args=(r, npes, args, start, port, results)) for r in range(npes)]
+    procs = [ctx.Process(target=target, args=(r, npes, args, start, port, results, *extra)) for r in range(npes)]
     for p in procs:
         p.start()
-    pooled = {p: [] for p in PATHS}
-    periods = {p: [] for p in PATHS}
-    synced = {p: [] for p in PATHS}  # per rank: list over rounds
+    pooled = {p: [] for p in paths}
+    periods = {p: [] for p in paths}
+    synced = {p: [] for p in paths}  # per rank: list over rounds
     for _ in range(npes):
         rank, durations, period, sync, error = results.get(timeout=args.timeout)
         if error:
             for p in procs:
                 p.kill()
             raise RuntimeError(f"N={npes} rank {rank} failed:\n{error}")
-        for path in PATHS:
+        for path in paths:
             pooled[path] += durations[path]
             synced[path].append(sync[path])
             if rank == 0:
@@ -115,7 +129,7 @@ def measure(npes: int, args) -> dict:
     for p in procs:
         p.join(30)
     out = {}
-    for path in PATHS:
+    for path in paths:
         rounds = list(zip(*synced[path]))  # per round: (elapsed, lag) of every rank
         slowest = [max(e for e, _ in r) for r in rounds]
         out[path] = {

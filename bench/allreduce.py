@@ -6,7 +6,9 @@ in the same worker processes of the same run, on processes sharing ONE GPU.
 Needs a running cuda daemon (``peerd serve --backend cuda``). Prints a
 Markdown table: per group size and message size (bf16), each path's time per
 call (the slowest rank's median over repetitions), NCCL's time over peerd's,
-and how far the two sums differ (NCCL adds in bf16, in ring order).
+and how far the two sums differ (NCCL adds in bf16, in ring order). peerd's
+kernel runs twice: polling the group's abort word on its control page (the
+default) and with ``abort=None``; "polling cost" is the first over the second.
 
 Processes sharing one GPU are not the target topology: the GPU time-slices
 their contexts, so both paths mostly measure context switches, never the
@@ -70,6 +72,8 @@ def worker(args) -> dict:
         torch.cuda.synchronize()
         return {"probe": "NCCL ran"}
     buf = PeerBuffer(2 * max(SIZES) + 4096, args.group, args.rank, args.npes, device)
+    if not buf.abort_address:
+        raise RuntimeError("the group has no control page: the polling cost cannot be measured")
     def barrier():
         tp_agree(True, args.group)
 
@@ -83,6 +87,7 @@ def worker(args) -> dict:
             "bytes": size,
             "difference": float((ours.float() - theirs.float()).norm() / theirs.float().norm()),
             "peerd_s": per_call(lambda: all_reduce(buf, x, out), barrier),
+            "unpolled_s": per_call(lambda: all_reduce(buf, x, out, abort=None), barrier),
             "nccl_s": per_call(lambda: dist.all_reduce(scratch), barrier),
         })
     buf.close()
@@ -152,20 +157,22 @@ def main() -> None:
     probe = launch(2, probe=True, timeout=40)
     report["plain_nccl"] = probe[0].get("error") or probe[0].get("probe")
     print(f"plain NCCL, 2 ranks on one GPU: {report['plain_nccl']}\n")
-    print("| ranks | message | peerd one-shot (µs) | NCCL, socket transport (µs) | NCCL / peerd | ‖peerd − NCCL‖ / ‖NCCL‖ |")
-    print("|---|---|---|---|---|---|")
+    print("| ranks | message | peerd one-shot (µs) | NCCL, socket transport (µs) | NCCL / peerd | ‖peerd − NCCL‖ / ‖NCCL‖ "
+          "| peerd, abort=None (µs) | polling cost |")
+    print("|---|---|---|---|---|---|---|---|")
     for npes in map(int, args.ranks.split(",")):
         results = report["groups"][npes] = launch(npes, probe=False, timeout=args.timeout)
         failed = [r["error"] for r in results if "error" in r]
         if failed:
-            print(f"| {npes} | failed: {failed[0]} | | | | |", flush=True)
+            print(f"| {npes} | failed: {failed[0]} | | | | | | |", flush=True)
             continue
         for i, size in enumerate(SIZES):
             peerd = max(r["rows"][i]["peerd_s"] for r in results) * 1e6
             nccl = max(r["rows"][i]["nccl_s"] for r in results) * 1e6
+            unpolled = max(r["rows"][i]["unpolled_s"] for r in results) * 1e6
             difference = max(r["rows"][i]["difference"] for r in results)
             print(f"| {npes} | {size // 1024} KiB | {peerd:.1f} | {nccl:.1f} | {nccl / peerd:.2f} | "
-                  f"{difference:.1e} |", flush=True)
+                  f"{difference:.1e} | {unpolled:.1f} | {peerd / unpolled - 1:+.1%} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

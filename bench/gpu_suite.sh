@@ -5,7 +5,7 @@
 #   bash bench/gpu_suite.sh OUTDIR          # e.g. $OUT on the device machine
 #
 # GPU steps: footprint, setup (cuda backend, workers on GPU 0), agreement (workers
-# holding CUDA contexts), status round trips. Then, on that machine's many cores,
+# holding CUDA contexts; on the control page too), abort latency, status round trips. Then, on that machine's many cores,
 # the host-backend failure and throughput benchmarks.
 OUTDIR=${1:-bench/results}
 mkdir -p "$OUTDIR"
@@ -23,6 +23,8 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
 step 40  $PY bench/gpu_footprint.py --out "$OUTDIR"
 step 90  $PY bench/setup_latency.py --backend cuda --iters ${SETUP_ITERS:-15} --out "$OUTDIR"
 step 70  $PY bench/agree_latency.py --backend cuda --rounds 2000 --sync-rounds 300 --out "$OUTDIR"
+step 90  $PY bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000 --sync-rounds 400 --out "$OUTDIR"
+step 150 $PY bench/abort_latency.py --backend cuda --ranks 2,4,8 --repeats 5 --out "$OUTDIR"
 step 25  $PY bench/status_latency.py --backend cuda --cli-iters 5 --out "$OUTDIR"
 step 70  $PY bench/failure_latency.py --ranks 8 --repeats 2 --seed-repeats 1 --seed-timeout 5 --out "$OUTDIR"
 if [ -n "$RUN_THROUGHPUT" ]; then

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from .connection import GRACE_S, connection
-from .errors import ForkedProcessError
+from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import joined_by, resolve
+from .pagelink import GroupLink, link_for
 
 log = logging.getLogger("peerd_client")
 
@@ -18,7 +20,12 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     a string key (with rank and npes, unless this process joined a PeerBuffer of
     it), a torch ProcessGroup, or None for a single rank. A rank that dies or
     does not come within the timeout makes the round False for everyone; the
-    reason is logged."""
+    reason is logged.
+
+    Where every rank of the group mapped its live set's control page, the
+    round runs there without a message to the daemon; else through the
+    daemon. A set from an earlier daemon run (it restarted) makes every
+    round False."""
     if group is None:
         return bool(ok)
     conn = connection()
@@ -30,6 +37,11 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
             f"group={member.key} was joined by pid {joiner}; pid {os.getpid()} is a forked child and holds "
             "none of its ranks: only the process holding a rank may vote for it (agree in a group of its own)"
         )
+    link = link_for(member.key)
+    if link is not None:
+        verdict = _on_link(link, member, bool(ok), timeout, conn.hello.get("instance"))
+        if verdict is not None:
+            return verdict
     verdict = conn.call(
         "agree",
         {"group": member.key, "rank": member.rank, "npes": member.npes, "ok": bool(ok), "timeout": timeout},
@@ -38,3 +50,25 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     if not verdict["ok"] and verdict["reason"]:
         log.warning("tp_agree on group=%s is False: %s", member.key, verdict["reason"])
     return verdict["ok"]
+
+
+def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | None) -> bool | None:
+    """The round on the group's control page, False for a set of an earlier daemon run;
+    None where the group has no page (the daemon decides)."""
+    if member.rank != link.rank or member.npes != link.npes:
+        raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but this "
+                              f"process holds rank {link.rank} of {link.npes} in it", "MISMATCH")
+    if link.instance != instance:
+        log.warning("tp_agree on group=%s is False: its buffers came from daemon instance %s, the daemon now "
+                    "is instance %s (it restarted): build the PeerBuffer again", member.key,
+                    f"{link.instance:#x}" if link.instance else "unknown", f"{instance:#x}" if instance else "unknown")
+        return False
+    if link.voter is None:
+        return None
+    if link.daemon_gone:
+        raise DaemonUnavailable(f"the peerd daemon (instance {link.instance:#x}) that made group={member.key}'s "
+                                "control page went away: build the PeerBuffer again once a daemon runs")
+    verdict = link.voter.agree(ok, deadline=time.monotonic() + timeout)
+    if not verdict.ok:
+        log.warning("tp_agree on group=%s is False: %s", member.key, verdict.reason)
+    return verdict.ok

@@ -52,9 +52,30 @@ is preempted at the end of its slice and the peers get their turn, so it
 completes, but a call costs about one slice per other rank (docs/allreduce.md):
 a correctness vehicle, not the target topology. Where kernels of different
 ranks do run at once (MPS), they must be co-resident: one CTA per rank keeps
-that to npes CTAs, and work that fills every SM can delay a call. A rank that never
-calls leaves its peers' kernels spinning, as in vLLM's custom all-reduce; the
-host path raises TimeoutError instead, after which the buffer is unusable.
+that to npes CTAs, and work that fills every SM can delay a call.
+
+A rank that dies or stops (SIGSTOP) would leave its peers spinning in step 3
+forever, as in vLLM's custom all-reduce. Two ways out, both optional:
+
+``abort``: the group's abort word (a peerd.controlpage.ControlPage on the
+    host; a peerd_client.hostmap.MappedPage, the same page mapped into the
+    device's address space, on a GPU). By default the buffer's own
+    (``buf.abort_source``, set up by PeerBuffer where the group has a
+    control page); ``abort=None`` polls nothing. The kernel loads it with system-scope
+    acquire loads before step 1 (an aborted group's memory may be freed: its
+    kernel touches none) and in every spin of step 3, and the host twin
+    checks it in every poll. On abort the call stops where it is and raises
+    MonoUnsupported with the reason the daemon wrote. The word is read at
+    run time, so a CUDA-graph replay honours an abort set after capture.
+``deadline``: seconds a rank waits in step 3 (the GPU measures them with
+    %globaltimer, in ns); then the call raises TimeoutError.
+
+Either way the call ends without advancing the epoch, so the buffer can no
+longer be used; the CUDA context stays usable. A GPU call reports how it
+ended in ``status`` (int32: 0 done, 1 aborted, 2 timed out), which the host
+reads after the kernel: eagerly that is a synchronization, so eager calls
+given ``abort`` or ``deadline`` check it at once; under graph capture pass
+your own ``status`` and call ``raise_for_status`` after a replay.
 """
 
 from __future__ import annotations
@@ -66,7 +87,10 @@ from dataclasses import dataclass
 
 import torch
 
+from peerd.controlpage import ControlPage, GroupAborted
 from peerd.protocol import DEFAULT_DEADLINE_S
+
+from .errors import MonoUnsupported
 
 try:
     import triton
@@ -80,6 +104,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 BLOCK = 4096  # elements a CTA moves per step
 NUM_WARPS = 16
 HOST_POLL_S = 20e-6  # a waiting host rank sleeps, so ranks sharing few cores still progress
+DONE, ABORTED, TIMED_OUT = 0, 1, 2  # the kernel's status
+BUFFERS_PAGE = object()  # all_reduce's default abort: the buffer's control page, where its group has one
 
 
 @dataclass(frozen=True)
@@ -109,14 +135,24 @@ def capacity(buf) -> int:
     return Layout(buf.npes, buf.nbytes).slot
 
 
-def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout: float = DEFAULT_DEADLINE_S) -> torch.Tensor:
+def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout: float = DEFAULT_DEADLINE_S,
+               abort=BUFFERS_PAGE, deadline: float | None = None, status: torch.Tensor | None = None) -> torch.Tensor:
     """Sum ``x`` over every rank of ``buf``'s group into ``out`` (a new tensor
     when None; ``out=x`` reduces in place) and return it.
 
     Collective: every rank calls it with the same numel and dtype. ``timeout``
-    bounds the host backend's wait for a peer (TimeoutError); a GPU kernel
-    waits as long as it takes.
+    bounds the host backend's wait for a peer (TimeoutError) where no
+    ``deadline`` is given; a GPU kernel without ``deadline`` waits as long as
+    it takes. ``abort``, ``deadline`` and ``status``: see the module docstring;
+    by default ``abort`` is the buffer's own control page (``buf.abort_source``):
+    the kernel polls it, and an eager call raises at its start once the group
+    is aborted, without synchronizing; an ``abort`` passed explicitly also has
+    every eager call read its status at once (a synchronization). None polls
+    nothing.
     """
+    implicit = abort is BUFFERS_PAGE
+    if implicit:
+        abort = getattr(buf, "abort_source", None)
     layout = Layout(buf.npes, buf.nbytes)
     out = torch.empty_like(x) if out is None else out
     if x.dtype not in DTYPES:
@@ -136,14 +172,49 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     if x.numel() == 0:
         return out
     if x.device.type == "cpu":
-        _host(buf, layout, x, out, timeout)
-    else:
-        with torch.cuda.device(x.device):
-            _one_shot[(1,)](
-                x, out, buf.addresses, buf.rank, x.numel(), layout.header, layout.slot,
-                NPES=buf.npes, BLOCK=BLOCK, num_warps=NUM_WARPS,
-            )
+        _host(buf, layout, x, out, timeout if deadline is None else deadline, abort)
+        return out
+    if isinstance(abort, ControlPage):
+        raise TypeError("a kernel cannot read the control page at its host address: pass "
+                        "peerd_client.hostmap.MappedPage(page, device) as abort")
+    if implicit and abort is not None:
+        _raise_if_aborted(abort)  # a host load: no synchronization, unlike checking the status below
+    checked = status is None and (deadline is not None or (abort is not None and not implicit))
+    if status is None:
+        status = torch.empty(1, dtype=torch.int32, device=x.device)
+    if deadline is not None and torch.version.hip:
+        raise NotImplementedError("a kernel deadline needs %globaltimer (CUDA); on ROCm pass abort only")
+    with torch.cuda.device(x.device):
+        _one_shot[(1,)](
+            x, out, buf.addresses, status, buf.rank, x.numel(), layout.header, layout.slot,
+            0 if abort is None else abort.abort_address, int((deadline or 0) * 1e9),
+            NPES=buf.npes, BLOCK=BLOCK, HAS_ABORT=abort is not None, HAS_DEADLINE=deadline is not None,
+            IS_HIP=bool(torch.version.hip), num_warps=NUM_WARPS,
+        )
+    if checked and not torch.cuda.is_current_stream_capturing():
+        raise_for_status(int(status.item()), buf, abort, deadline)
     return out
+
+
+def raise_for_status(code: int, buf, abort=None, deadline: float | None = None) -> None:
+    """Raise what a call that ended with ``code`` (its status) means: MonoUnsupported
+    with the abort's reason, or TimeoutError; nothing for a finished call."""
+    if code == ABORTED:
+        _raise_if_aborted(abort)
+        raise MonoUnsupported(f"all_reduce on group={buf.group_key} name={buf.name} stopped: the group was "
+                              f"aborted", "GROUP_FAILED")
+    if code == TIMED_OUT:
+        raise TimeoutError(
+            f"a peer of rank {buf.rank} in group={buf.group_key} name={buf.name} did not reach all_reduce "
+            f"within its deadline of {deadline}s; this buffer can no longer be used"
+        )
+
+
+def _raise_if_aborted(abort) -> None:
+    try:
+        abort.check()
+    except GroupAborted as err:
+        raise MonoUnsupported(f"all_reduce stopped: {err.reason}", "GROUP_FAILED") from None
 
 
 def _word(address: int) -> ctypes.c_int64:
@@ -156,12 +227,15 @@ def _slot_view(address: int, layout: Layout, epoch: int, like: torch.Tensor) -> 
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(start), dtype=like.dtype)
 
 
-def _host(buf, layout: Layout, x: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
-    """Steps 1-5 on host shared memory. On x86-64 (TSO) an aligned int64 store
-    is a release and an aligned int64 load an acquire, system-wide; on other
-    CPUs these plain accesses would not order the slots, so they are refused."""
+def _host(buf, layout: Layout, x: torch.Tensor, out: torch.Tensor, timeout: float, abort) -> None:
+    """Steps 1-5 on host shared memory, checking ``abort`` as the kernel does.
+    On x86-64 (TSO) an aligned int64 store is a release and an aligned int64
+    load an acquire, system-wide; on other CPUs these plain accesses would
+    not order the slots, so they are refused."""
     if platform.machine() not in ("x86_64", "AMD64"):
         raise NotImplementedError("the host all-reduce relies on x86-64 memory ordering")
+    if abort is not None:
+        _raise_if_aborted(abort)
     epoch = _word(buf.local).value + 1
     _slot_view(buf.local, layout, epoch, x).copy_(x.reshape(-1))
     for address in buf.pointers:
@@ -170,6 +244,8 @@ def _host(buf, layout: Layout, x: torch.Tensor, out: torch.Tensor, timeout: floa
     for peer in range(buf.npes):
         flag = _word(buf.local + layout.flag(peer))
         while flag.value < epoch:
+            if abort is not None:
+                _raise_if_aborted(abort)
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"rank {peer} of group={buf.group_key} name={buf.name} did not reach all_reduce "
@@ -185,38 +261,71 @@ def _host(buf, layout: Layout, x: torch.Tensor, out: torch.Tensor, timeout: floa
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["rank"])
-    def _one_shot(x_ptr, out_ptr, addresses_ptr, rank, n, header, slot, NPES: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit
+    def _abort_word(address, IS_HIP: tl.constexpr):
+        """The abort word, loaded with a system-scope acquire: a CPU's store to the
+        host page is seen without a cache in the way."""
+        if IS_HIP:
+            word = tl.atomic_add(address.to(tl.pointer_type(tl.int64)), 0, sem="acquire", scope="sys")
+        else:
+            word = tl.inline_asm_elementwise("ld.acquire.sys.global.u64 $0, [$1];", "=l,l", [address],
+                                             dtype=tl.int64, is_pure=False, pack=1)
+        return word
+
+    @triton.jit
+    def _globaltimer():
+        """Nanoseconds of the GPU's global timer (PTX %globaltimer), as triton.language.extra.cuda reads it."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit(do_not_specialize=["rank", "abort_address", "deadline_ns"])
+    def _one_shot(x_ptr, out_ptr, addresses_ptr, status_ptr, rank, n, header, slot, abort_address, deadline_ns,
+                  NPES: tl.constexpr, BLOCK: tl.constexpr, HAS_ABORT: tl.constexpr, HAS_DEADLINE: tl.constexpr,
+                  IS_HIP: tl.constexpr):
         """Steps 1-5 of the module docstring, one CTA per rank. cudaMalloc'd buffers
         start 256-byte aligned and header and slot are multiples of 128: multiple_of
-        says so, which lets Triton use 16-byte accesses through the addresses."""
-        local = tl.load(addresses_ptr + rank)
-        epoch_ptr = local.to(tl.pointer_type(tl.int64))
-        epoch = tl.load(epoch_ptr) + 1
-        parity = epoch % 2
-        offsets = tl.arange(0, BLOCK)
-        mine = tl.multiple_of((local + header + parity * slot).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
-        for start in range(0, n, BLOCK):
-            mask = start + offsets < n
-            tl.store(mine + start + offsets, tl.load(x_ptr + start + offsets, mask=mask), mask=mask)
-        tl.debug_barrier()  # every thread's copy precedes the releases
+        says so, which lets Triton use 16-byte accesses through the addresses.
+        ``status`` gets DONE, ABORTED (before step 1 or while waiting in step 3) or
+        TIMED_OUT (step 3 outlived deadline_ns); only DONE advances the epoch."""
+        failed = tl.zeros((), dtype=tl.int32)
+        if HAS_ABORT:
+            failed = tl.where(_abort_word(abort_address, IS_HIP) != 0, 1, failed)  # ABORTED
+        if HAS_DEADLINE:
+            limit = _globaltimer() + deadline_ns
+        if failed == 0:  # an aborted group's memory may be freed already: touch none of it
+            local = tl.load(addresses_ptr + rank)
+            epoch_ptr = local.to(tl.pointer_type(tl.int64))
+            epoch = tl.load(epoch_ptr) + 1
+            parity = epoch % 2
+            offsets = tl.arange(0, BLOCK)
+            mine = tl.multiple_of((local + header + parity * slot).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+            for start in range(0, n, BLOCK):
+                mask = start + offsets < n
+                tl.store(mine + start + offsets, tl.load(x_ptr + start + offsets, mask=mask), mask=mask)
+            tl.debug_barrier()  # every thread's copy precedes the releases
 
-        for peer in tl.static_range(NPES):
-            flag = (tl.load(addresses_ptr + peer) + 8 * (1 + rank)).to(tl.pointer_type(tl.int64))  # Layout.flag
-            tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
-        for peer in tl.static_range(NPES):
-            flag = (local + 8 * (1 + peer)).to(tl.pointer_type(tl.int64))
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            while seen < epoch:
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-        tl.debug_barrier()  # the acquires precede every thread's reads
-
-        for start in range(0, n, BLOCK):
-            mask = start + offsets < n
-            total = tl.zeros([BLOCK], dtype=tl.float32)
             for peer in tl.static_range(NPES):
-                base = tl.load(addresses_ptr + peer) + header + parity * slot
-                theirs = tl.multiple_of(base.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
-                total += tl.load(theirs + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(epoch_ptr, epoch)
+                flag = (tl.load(addresses_ptr + peer) + 8 * (1 + rank)).to(tl.pointer_type(tl.int64))  # Layout.flag
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+            for peer in tl.static_range(NPES):
+                flag = (local + 8 * (1 + peer)).to(tl.pointer_type(tl.int64))
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                while (seen < epoch) & (failed == 0):
+                    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                    if HAS_ABORT:
+                        failed = tl.where(_abort_word(abort_address, IS_HIP) != 0, 1, failed)
+                    if HAS_DEADLINE:
+                        failed = tl.where(_globaltimer() > limit, 2, failed)  # TIMED_OUT
+            tl.debug_barrier()  # the acquires precede every thread's reads
+
+            if failed == 0:
+                for start in range(0, n, BLOCK):
+                    mask = start + offsets < n
+                    total = tl.zeros([BLOCK], dtype=tl.float32)
+                    for peer in tl.static_range(NPES):
+                        base = tl.load(addresses_ptr + peer) + header + parity * slot
+                        theirs = tl.multiple_of(base.to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+                        total += tl.load(theirs + start + offsets, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(epoch_ptr, epoch)
+        tl.store(status_ptr, failed)

@@ -14,6 +14,7 @@ from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, unde
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
+from .pagelink import GroupLink, close_link, open_link
 from .views import backend_for, byte_view, default_device, require_torch
 
 log = logging.getLogger("peerd_client")
@@ -71,6 +72,7 @@ class PeerBuffer:
         self._pid = os.getpid()
         self._handles: list[bytes] = []
         self._chunks: list[ChunkKey] = []
+        self._link: GroupLink | None = None
         self._released = True
         self._conn = conn = connection()
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
@@ -123,6 +125,9 @@ class PeerBuffer:
         finally:
             for fd in fds:  # a mapping keeps the memory; the fds are spent
                 os.close(fd)
+        self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where)
+        if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
+            self._link.attach(conn, self._slot(member), self.device)
         reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]
         try:
             verdict = conn.call(
@@ -140,6 +145,9 @@ class PeerBuffer:
             raise MonoUnsupported(
                 f"peer memory handshake failed on {side} rank ({where}): {verdict['reason']}"
             ) from failure
+
+        self._link.choose()
+        open_link(member.key, self._link)
 
     def _view(self, pointers: list[int]) -> None:
         """The views of the mapped set; made while the daemon collects the votes, dropped if they fail."""
@@ -202,6 +210,29 @@ class PeerBuffer:
         return getattr(self, "_addresses", None)
 
     @property
+    def abort_source(self):
+        """What kernels of this buffer poll for its group's abort (all_reduce's default ``abort``):
+        the control page mapped for the GPU (host backend: the page), or None without a page."""
+        self._guard()
+        return self._link.abort_source if self._link is not None else None
+
+    @property
+    def abort_address(self) -> int:
+        """Where a kernel on this buffer's device loads the group's abort word (an int64:
+        non-zero once the group is aborted); 0 where the group has no control page."""
+        source = self.abort_source
+        return source.abort_address if source is not None else 0
+
+    def check(self) -> None:
+        """Raise MonoUnsupported with the reason once the group is aborted (a member died,
+        left or was evicted, a set of the group failed, the daemon stopped)."""
+        self._guard()
+        page = self._link.page if self._link is not None else None
+        aborted = page.aborted() if page is not None else None
+        if aborted is not None:
+            raise MonoUnsupported(f"group={self.group_key} name={self.name}: {aborted.reason}", "GROUP_FAILED")
+
+    @property
     def pointers(self) -> list[int]:
         """``addresses`` as a list of ints."""
         self._guard()
@@ -223,6 +254,12 @@ class PeerBuffer:
         self._bytes = self._addresses = None
         self._local, self._pointers = 0, []
         chunks, self._chunks, self._handles = self._chunks, [], []
+        link, self._link = self._link, None
+        if link is not None:
+            try:
+                close_link(self.group_key, link)
+            except Exception as err:
+                log.warning("closing the control page of group=%s failed: %s", self.group_key, err)
         for key in chunks:
             try:
                 mappings.close(key)

@@ -89,6 +89,7 @@ class Agreements:
         self._sets = sets  # asked who holds a rank, and which ranks died holding one
         self._waits = waits
         self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
+        self.evicted: dict[tuple[int | None, str], set[int]] = {}  # by (uid, group): pids that voted before it
 
     def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         pid, uid = who.pid, who.uid
@@ -100,6 +101,12 @@ class Agreements:
             return [refuse(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} is held by pid "
                            f"{', '.join(map(str, sorted(holders)))} (a buffer set of it), not pid {pid}: "
                            "only the process holding a rank may vote for it")]
+        gone = self.evicted.get((uid, group))
+        if gone and pid in gone:
+            if not holders:  # a vote of the evicted group: it never passes again (this pid may join anew)
+                return [Send(caller, {"ok": False, "reason": f"group={group} was evicted by an administrator: "
+                                                             "build the PeerBuffer again"})]
+            self._forgive(uid, group, pid)
         out, agreement = self._agreement_for(caller, pid, uid, group, rank, npes)
         if agreement is None:
             return out
@@ -197,20 +204,36 @@ class Agreements:
         if agreement.finished():
             self._drop(agreement)
 
-    def evict(self, group: str, uid: int | None) -> Outbox:
-        """Drop the group's agreements (of ``uid`` only, unless None); their pending rounds are False."""
+    def evict(self, group: str, uid: int | None, holders: dict[tuple[int | None, str], set[int]]) -> Outbox:
+        """Drop the group's agreements (of ``uid`` only, unless None); their pending rounds are False,
+        and so is every later vote of their voters, and of the evicted sets' ``holders`` by (uid, group),
+        until each holds a set of the group again or dies."""
         out: Outbox = []
+        for key, pids in holders.items():
+            if pids:
+                self.evicted.setdefault(key, set()).update(pids)
         for agreement in list(self.kept.values()):
             if agreement.group != group or (uid is not None and agreement.owner_uid != uid):
                 continue
             self._drop(agreement)
+            live = set(agreement.pids.values()) - set(agreement.dead.values())
+            if live:
+                self.evicted.setdefault(agreement.key, set()).update(live)
             for rnd in agreement.rounds.values():
                 if rnd.result is None:
                     out += rnd.finish(False, f"group={group} was evicted by an administrator")
         return out
 
+    def _forgive(self, uid: int | None, group: str, pid: int) -> None:
+        gone = self.evicted[(uid, group)]
+        gone.discard(pid)
+        if not gone:
+            del self.evicted[(uid, group)]
+
     def process_died(self, pid: int, held: set[RankKey]) -> Outbox:
         """Every rank ``pid`` voted for, or ``held`` in a buffer set, died: its pending rounds are False."""
+        for uid, group in [key for key, pids in self.evicted.items() if pid in pids]:
+            self._forgive(uid, group, pid)
         ranks = set(held)
         for agreement in list(self.kept.values()):
             ranks |= {(agreement.key, r) for r, owner in agreement.pids.items() if owner == pid}
@@ -241,5 +264,6 @@ class Agreements:
             for rnd in agreement.rounds.values():
                 out += [Send(c, error=error) for c in rnd.waiters.values()]
         self.kept.clear()
+        self.evicted.clear()
         self._quotas.forget_agreements()
         return out

@@ -32,7 +32,8 @@ class Metrics:
             ["op"], buckets=(1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10, 30, 60, 120),
         )
         self.joins = Counter("peerd_joins", "Joins answered, by outcome (ok or the error code)", ["outcome"])
-        self.agreements = Counter("peerd_agreements", "tp_agree rounds answered, by outcome", ["outcome"])
+        self.agreements = Counter("peerd_agreements", "tp_agree rounds answered by the daemon (the message path; "
+                                  "rounds on a control page never reach it), by outcome", ["outcome"])
         REGISTRY.register(_Gauges(registry, arena_usage))
         self.server, self.thread = start_http_server(port, addr="127.0.0.1")
 

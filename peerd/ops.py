@@ -94,7 +94,7 @@ _SLOT = {"group": _GROUP, "name": _NAME, "rank": _RANK}
 _VERDICT = {"ok": Field(bool), "reason": Field(str)}
 _NUMBER = (int, float)
 _HELLO = {
-    "version": Field(str), "protocol": Field(int), "pid": Field(int), "backend": Field(str),
+    "instance": Field(int), "version": Field(str), "protocol": Field(int), "pid": Field(int), "backend": Field(str),
     "rendezvous_timeout": Field(_NUMBER), "agreement_timeout": Field(_NUMBER),
 }
 

@@ -39,6 +39,9 @@ the SOCK_SEQPACKET socket `<socket path>.fd` and sends one request, `{{group, na
 daemon checks the caller's kernel credentials (SO_PEERCRED) and that it holds that rank, then
 answers `{{ok: true, handles}}` with the set's fds in rank order (SCM_RIGHTS, several messages when
 there are many), or `{{ok: false, code, message}}`, and closes (peerd/fdchannel.py).
+`{{group, name, rank, page: true}}` asks instead, on every backend, for the set's control page and
+the read end of the daemon's alive pipe (peerd/pages.py, peerd/controlpage.py); hello's `instance`
+names the daemon run the page must come from.
 
 ## The life of a buffer set
 

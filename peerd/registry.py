@@ -24,6 +24,7 @@ from .agreements import Agreement, Agreements
 from .buffersets import BufferSet
 from .credentials import Credentials
 from .outbox import Caller, Outbox
+from .pages import NoPages, Pages
 from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
 from .rendezvous import Allocate, Free, Handed, Rendezvous
@@ -42,12 +43,13 @@ class Registry:
         limits: Limits = Limits(),
         admins: frozenset[int] = frozenset({0}),
         handed: Handed = lambda allocations, pids: None,  # memory that needs no record of who maps it
+        pages: NoPages | Pages = NoPages(),
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
         self._quotas = Quotas(limits)
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
-        self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits)
+        self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:
@@ -85,7 +87,10 @@ class Registry:
         not let go.
         """
         out, evicted = self._sets.evict(group, name, uid)
-        return out + self._agreements.evict(group, uid), evicted
+        holders: dict[tuple[int | None, str], set[int]] = {}
+        for entry in evicted:
+            holders.setdefault((entry["uid"], entry["group"]), set()).update(entry["holders"].values())
+        return out + self._agreements.evict(group, uid, holders), evicted
 
     def process_died(self, pid: int, now: float) -> Outbox:
         """A client process is gone: fail what waits on it, drop what it held."""

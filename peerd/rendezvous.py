@@ -24,6 +24,7 @@ from .backends.allocation import Allocation
 from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
 from .credentials import Credentials
 from .outbox import Caller, Outbox, Send, refuse
+from .pages import NoPages, Pages
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
@@ -58,7 +59,9 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 class Rendezvous:
     """Every buffer set's rules; the sets themselves live in ``index``."""
 
-    def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits):
+    def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
+                 pages: NoPages | Pages = NoPages()):
+        self.pages = pages  # the control pages: told when a member leaves, a set fails or is freed
         self._allocate = allocate
         self._free = free
         self._handed = handed
@@ -246,6 +249,7 @@ class Rendezvous:
         elif bset.commit is not None and bset.commit.result is None:
             out += bset.commit.finish(False, message)
         bset.move(State.FAILED, error)
+        self.pages.set_failed(bset)
         if not bset.holding_slots():
             if len(bset.told) == bset.npes:
                 self._forget(bset)
@@ -279,6 +283,7 @@ class Rendezvous:
                 log.info("%s live: every rank mapped every peer", bset.label)
             else:
                 bset.move(State.FAILED, ProtocolError(ErrorCode.GROUP_FAILED, reason))
+                self.pages.set_failed(bset)
                 log.warning("%s failed its agreement: %s", bset.label, reason)
         return out
 
@@ -348,6 +353,7 @@ class Rendezvous:
     def _drop_hold(self, bset: BufferSet, slot: Slot, why: str) -> bool:
         """Drop one rank's hold; free the set once nobody holds it. True if freed."""
         slot.held = False
+        self.pages.hold_dropped(bset, slot, why)
         holding = len(bset.holding_slots())
         log.info("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
         if holding:
@@ -357,6 +363,7 @@ class Rendezvous:
         return True
 
     def _free_set(self, bset: BufferSet) -> None:
+        self.pages.set_freed(bset)  # its abort word is set before any memory goes
         for s in bset.slots.values():
             if s.allocation is not None:
                 allocation, s.allocation = s.allocation, None
@@ -389,6 +396,7 @@ class Rendezvous:
                 continue
             holders = {str(s.rank): s.pid for s in bset.holding_slots()}
             message = f"{bset.label} was evicted by an administrator"
+            self.pages.evicted(bset)  # kernels polling the abort word stop before the memory is freed
             out += self._fail(bset, ErrorCode.GROUP_FAILED, message)
             for slot in bset.slots.values():
                 slot.held = False

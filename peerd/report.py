@@ -22,9 +22,11 @@ from .registry import Registry
 MAX_PROBLEMS_SHOWN = 20
 
 
-def hello(registry: Registry, backend: MemoryBackend) -> dict[str, Any]:
-    """Who answers and the deadlines it applies unless a caller sends its own."""
+def hello(registry: Registry, backend: MemoryBackend, instance: int) -> dict[str, Any]:
+    """Who answers, which run of it (``instance``: a set or page of another run is never trusted), and the
+    deadlines it applies unless a caller sends its own."""
     return {
+        "instance": instance,
         "version": __version__,
         "protocol": VERSION,
         "pid": os.getpid(),
@@ -34,7 +36,7 @@ def hello(registry: Registry, backend: MemoryBackend) -> dict[str, Any]:
     }
 
 
-def status(registry: Registry, backend: MemoryBackend, viewer: int, loop: dict[str, Any]) -> dict[str, Any]:
+def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: int, loop: dict[str, Any]) -> dict[str, Any]:
     """What `peerd status` shows ``viewer``; ``loop`` holds the serving loop's own facts (connections, drain).
 
     Another user's groups and connection counts show only to administrators.
@@ -49,7 +51,7 @@ def status(registry: Registry, backend: MemoryBackend, viewer: int, loop: dict[s
     if len(found) > MAX_PROBLEMS_SHOWN:
         found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
     return {
-        **hello(registry, backend),
+        **hello(registry, backend, instance),
         "health": "degraded" if found else "healthy",
         "problems": found,
         **loop,

@@ -27,7 +27,9 @@ from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
+from .handout import member_fds
 from .outbox import Outbox, Send
+from .pages import Pages
 from .paging import page
 from .registry import Registry
 from .liveness import POLL_INTERVAL, PidWatcher
@@ -35,7 +37,7 @@ from .lockfile import SocketLock
 from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
-from .ops import OPS, Op, decode_request, validate_request
+from .ops import OPS, Op, decode_request
 from .protocol import LS_PAGE_BYTES, MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_reply, request_id_of
 from .settings import Loader, Settings
 from .tally import Tally
@@ -49,7 +51,7 @@ TICK_S = 1.0
 SHUTDOWN_LINGER_MS = 1000
 
 #: settings a SIGHUP cannot change in a running daemon
-RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port",
+RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "control_pages",
                 "arena_chunk_bytes", "arena_max_bytes_per_uid", "arena_idle_s")
 
 #: What one connection can make the daemon hold. A client has one call
@@ -92,9 +94,10 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
+        self.pages = Pages(settings.control_pages)  # one control page per live set (peerd.pages)
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=self._admins, handed=backend.handed,
+            admins=self._admins, handed=backend.handed, pages=self.pages,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -229,6 +232,7 @@ class Daemon:
                 log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
                             "still touch its memory", bset.label, holders)
         self._notifier.stopping("stopping: freeing every buffer")
+        self.pages.shutdown()  # every group's abort word, before its memory goes
         self._deliver(self.registry.shutdown())
         if self.metrics is not None:
             self.metrics.close()
@@ -381,17 +385,7 @@ class Daemon:
         return [Send(Route(identity, request_id), error=forbidden(who))]
 
     def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
-        """The fd channel's answer: the handles and fds of the set in which pid holds the rank asked for."""
-        who = Credentials(uid, gid, pid)
-        if not self.allowlist.allows(uid, gid, pid):
-            raise forbidden(who)
-        bset = self.registry.opened_set(validate_request("release", request), who)  # a slot, named as release names it
-        allocations = [bset.slots[r].allocation for r in range(bset.npes)]
-        fds = [self.backend.fd(a) for a in allocations]
-        if None in fds:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"the {self.backend.name} backend passes no fds: "
-                                "its handles open the memory")
-        return [a.handle for a in allocations], fds
+        return member_fds(self.registry, self.backend, self.pages, self.allowlist, Credentials(uid, gid, pid), request)
 
     def _handler(self, op: Op) -> Handler:
         """The op's handler, as its record says: Registry.<name>, after watching the caller's pid so its
@@ -422,7 +416,7 @@ class Daemon:
         return [Send(caller, {"groups": shown, "more": more})]
 
     def _serve_hello(self, caller: Route, who: Credentials, body: dict) -> Outbox:
-        return [Send(caller, report.hello(self.registry, self.backend))]
+        return [Send(caller, report.hello(self.registry, self.backend, self.pages.instance))]
 
     def _serve_status(self, caller: Route, who: Credentials, body: dict) -> Outbox:
         loop = {
@@ -435,7 +429,7 @@ class Daemon:
             "connections": self._guard.snapshot(),
             "replies_dropped": self._dropped.total,
         }
-        return [Send(caller, report.status(self.registry, self.backend, who.uid, loop))]
+        return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop))]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """The registry's allocate: the one place where a backend's failure becomes an error code."""

@@ -128,6 +128,8 @@ OPTIONS = (
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
     Option("metrics_port", click.IntRange(min=0, max=65535), 0,
            "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs peerd[metrics])."),
+    Option("control_pages", click.BOOL, True, "Give each live group a control page (tp_agree without a message, "
+           "aborts that reach kernels); false: groups agree through the daemon's messages."),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -155,6 +157,7 @@ class Settings:
     max_connections_per_uid: int = DEFAULT_CONNECTIONS_PER_UID
     shutdown_grace: float = SHUTDOWN_GRACE_S
     metrics_port: int = 0
+    control_pages: bool = True
 
     @property
     def limits(self) -> Limits:

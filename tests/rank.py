@@ -222,6 +222,7 @@ def chaos(args) -> dict:
         if args.die_at == "in_agreement":
             threading.Timer(1.0, die).start()
             time.sleep(30)
+        page = buf.abort_address != 0  # the group agrees on its control page
         agreed = tp_agree(True, args.group, timeout=args.timeout)
         if args.die_at == "after_ready":
             die()
@@ -230,7 +231,7 @@ def chaos(args) -> dict:
         stage = "done"
     except MonoUnsupported as err:
         return {"stage": stage, "code": err.code, "message": str(err), "elapsed": time.monotonic() - start}
-    return {"stage": stage, "agreed": agreed, "elapsed": time.monotonic() - start}
+    return {"stage": stage, "agreed": agreed, "page": page, "elapsed": time.monotonic() - start}
 
 
 def restart(args) -> dict:

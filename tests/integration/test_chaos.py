@@ -1,4 +1,5 @@
-"""Chaos: rounds of real ranks, one SIGKILLed at a random protocol step, then the daemon itself.
+"""Chaos: rounds of real ranks, one SIGKILLed at a random protocol step, then the daemon itself,
+on both agreement paths (the control page, and the daemon's messages).
 
 Every round asserts that no survivor waited past its timeout, that the
 survivors agree on one outcome naming the cause, and that afterwards the
@@ -39,6 +40,20 @@ def expected(step: str, victim: int, pid: int):
     }[step]
 
 
+@pytest.fixture(params=["page", "messages"])
+def daemon(request, daemon):
+    """Each test on both agreement paths: the control page, and the daemon's messages."""
+    if request.param == "messages":
+        daemon.stop()
+        daemon.args = ("--control-pages", "false")
+        daemon.start()
+    return daemon
+
+
+def pages_on(daemon) -> bool:
+    return "--control-pages" not in daemon.args
+
+
 def held_by(daemon, group):
     listing = json.loads(daemon.cli("ls", "--json").stdout)
     return [(g["held"], g["bytes_allocated"]) for g in listing if g["group"] == group and (g["held"] or g["bytes_allocated"])]
@@ -70,6 +85,7 @@ def kill_one_rank(daemon, step: str, victim: int, group: str) -> None:
         assert result["stage"] == stage, (step, rank, result)
         if stage == "done":
             assert result["agreed"] is words, (step, rank, result)
+            assert result["page"] is pages_on(daemon), (step, rank, result)
         else:
             assert result["code"] == code and words in result["message"], (step, rank, result)
     wait_until(lambda: held_by(daemon, group) == [], 10, f"the daemon to hold nothing for {group}")

@@ -8,7 +8,7 @@ import sys
 #: the daemon's rules, loop and settings: nothing a worker process may load
 DAEMON_MODULES = {
     "peerd.groups", "peerd.registry", "peerd.rendezvous", "peerd.buffersets", "peerd.agreements",
-    "peerd.quotas", "peerd.timers", "peerd.rounds", "peerd.outbox", "peerd.server", "peerd.settings",
+    "peerd.quotas", "peerd.timers", "peerd.rounds", "peerd.outbox", "peerd.server", "peerd.settings", "peerd.pages",
 }
 
 

@@ -5,7 +5,7 @@ import pytest
 from peerd.ops import OPS, check_reply
 from peerd.protocol import ErrorCode, ProtocolError
 
-HELLO = {"version": "1.0", "protocol": 1, "pid": 7, "backend": "host",
+HELLO = {"instance": 3, "version": "1.0", "protocol": 1, "pid": 7, "backend": "host",
          "rendezvous_timeout": 60.0, "agreement_timeout": 60}
 GOOD = {
     "join": {"backend": "host", "handles": [b"a", b"a"], "sizes": [4096, 4096], "offsets": [0, 4096],

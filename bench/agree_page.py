@@ -1,0 +1,92 @@
+"""tp_agree on the group's control page against gloo all_reduce(MIN), same run.
+
+    python bench/agree_page.py                      # N = 2, 4, 8, host backend
+    python bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000
+    python bench/agree_page.py --ranks 2 --rounds 100000 --spin-us 50
+
+A daemon of its own (``--backend``) serves N spawned workers; each builds a
+PeerBuffer of one group (the daemon hands every rank the set's control page,
+peerd.pages) and a gloo group, then times the public ``tp_agree(True, key)``,
+which runs on the page (the bench refuses a group left on the message path).
+The measurements are bench/agree_latency.py's (time_paths): synchronized
+rounds, p50 / p99 from a common instant until the slowest rank has the
+answer, and back-to-back rounds, whose mean period gives rounds per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+import agree_latency as AL  # noqa: E402
+
+PATHS = ("page", "gloo")
+
+
+def page_worker(rank, npes, args, start: C.Start, port, results) -> None:
+    try:
+        from peerd_client import PeerBuffer, tp_agree
+        from peerd_client.pagelink import link_for
+
+        device = C.torch_device(args.backend)
+        C.init_gloo(port, rank, npes)
+        key = f"agree-page-{npes}"
+        buf = PeerBuffer(4096, key, rank, npes, device)
+        if not buf.abort_address:
+            raise RuntimeError("the group was left on the daemon's message path: no control page to time")
+        if args.spin_us is not None:
+            link_for(key).voter.spin_s = args.spin_us * 1e-6
+        timed = AL.time_paths({"page": lambda: tp_agree(True, key), "gloo": AL.gloo_round()}, rank, args, start)
+        buf.close()
+        results.put((rank, *timed, None))
+    except BaseException:
+        results.put((rank, {}, {}, {}, traceback.format_exc()))
+        raise
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
+    parser.add_argument("--ranks", default="2,4,8")
+    parser.add_argument("--rounds", type=int, default=20000, help="back-to-back rounds per path and N")
+    parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
+    parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
+    parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--spin-us", type=float, default=None, help="microseconds a waiting rank spins before it "
+                        "sleeps on the futex (default: peerd.controlpage.spin_budget)")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    info = {"bench": "agree_page", "machine": C.machine(), "backend": args.backend, "command": C.command_line(),
+            "rounds": args.rounds, "spin_us": args.spin_us, "by_n": {}}
+    with C.Daemon(args.backend, log_level="warning"):
+        for npes in C.parse_ints(args.ranks):
+            info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS)
+            C.save("agree_page", info, args.out, quiet=True)
+
+    rows, rows2 = [], []
+    for n, r in info["by_n"].items():
+        p, g = r["page"]["sync"], r["gloo"]["sync"]
+        rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
+                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
+        p, g = r["page"], r["gloo"]
+        rows2.append([n, f"{1 / p['round_period']:,.0f}", f"{1 / g['round_period']:,.0f}",
+                      C.ms(p["per_call"]["p50"]), C.ms(p["per_call"]["p99"]),
+                      C.ms(g["per_call"]["p50"]), C.ms(g["per_call"]["p99"])])
+    print(f"\nagreement latency, synchronized rounds, ms ({args.sync_rounds} rounds per path; from the common "
+          "start until the slowest rank has the answer; ratio = page / gloo)")
+    print(C.table(["N", "page p50", "p99", "gloo p50", "p99", "ratio p50", "ratio p99"], rows))
+    print(f"\nback-to-back rounds ({args.rounds} rounds per path)")
+    print(C.table(["N", "page rounds/s", "gloo rounds/s", "page call p50 ms", "p99", "gloo call p50", "p99"],
+                  rows2))
+    C.save("agree_page", info, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,452 @@
+"""The group control page: agreement votes and the abort word in one shared page.
+
+The daemon creates one page per group in a memfd (no name anyone could guess
+or open) and hands the fd to the group's members; every member maps it. On
+it, ``PageVoter.agree`` is tp_agree without a message to the daemon, and
+``ControlPage.abort`` is how the daemon (or a member) fails the whole group at
+once: every waiter wakes, and kernels that poll the abort word (through a
+device mapping of the page, peerd_client.hostmap) exit.
+
+Standard library only (ctypes, mmap, os, zlib): the daemon and workers both
+import it, and neither may pay for torch or zmq here.
+
+Who calls what (peerd.pages on the daemon's side, peerd_client.pagelink on
+the member's):
+
+* daemon, on the first fd-channel request for a set's page (``{group, name,
+  rank, page: true}``, answered only to a pid holding that rank of an
+  OPENING or LIVE set): ``ControlPage.create(npes, instance, generation)``
+  (``instance`` = ``new_instance_id()``, drawn once per daemon run and
+  announced in hello; ``generation`` = the set's id); one page per set, so
+  a rank that replaces a dead one starts on a fresh page with fresh rounds.
+  The fd goes out with the read end of the daemon's alive pipe.
+* member, after its join and before its commit vote: ``ControlPage.attach(fd,
+  npes=npes, instance=hello_instance)``, ``peerd_client.hostmap.MappedPage``
+  on a GPU, then ``mark_mapped(rank)``; any failure costs one WARNING and
+  keeps the message path. After the commit verdict, ``unmapped()`` decides
+  for the group (see "The choice" below), then ``PageVoter(page, rank,
+  label)`` runs tp_agree.
+* daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
+  SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
+  evict frees anything, when a set of the group fails, and at shutdown;
+  ``page.close()`` once the set is freed (members keep their own mappings).
+  A member that sees the alive pipe close aborts the page itself: a killed
+  daemon cannot.
+
+Note [Control page layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Byte offsets; every word is little-endian and naturally aligned::
+
+    0     magic        u64  MAGIC ("peerdCP1"): this is a control page
+    8     version      u64  VERSION: the layout below
+    16    instance     u64  random id of the daemon run that made it
+    24    npes         u64  ranks in the group
+    32    generation   u64  the group's set generation it was made for
+    64    wake         u32  futex word: bumped by every publish, settle and abort
+    68    sleepers     u32  ranks inside FUTEX_WAIT (publishers skip the wake when 0)
+    128   abort        u64  0, or crc32(reason) << 32 | len(reason) << 16 | code
+    192   reason       256 bytes of UTF-8, the abort reason (len in the abort word)
+    448   verdicts     RING u64s: round k's verdict at 448 + 8 * (k % RING),
+                            round << 24 | outcome << 16 | rank (0: none yet)
+    1024  slot[r]      64 bytes (one cache line) per rank r:
+                         +0 round  u64  the last round r voted in
+                         +8 votes  u64  bit (k % 2): r's vote in round k
+                         +16 mapped u64  READY once r mapped the page, before
+                                         its commit vote (see "The choice" below)
+
+Write order and why nobody reads half a write:
+
+* A slot has one writer, its rank. To vote in round k it first stores the
+  vote bit (keeping bit (k - 1) % 2, the previous round's vote, intact), then
+  stores ``round = k`` with release semantics (sequentially consistent, for
+  the wake below). A reader that sees round >= k issues an acquire fence
+  before it reads the votes word, so it sees the vote of round k (or of
+  k + 1 in the other bit). Aligned 8-byte loads and stores are single
+  instructions on x86-64 and arm64 (``mov``/``ldr``/``str`` of an aligned
+  u64 are single-copy atomic), so a word is never seen torn, half old and
+  half new; the release/acquire pair orders the two words. Python reaches
+  the words through ``ctypes.c_uint64.from_address(...).value``, one aligned
+  load or store. On x86-64 (TSO) such a load is already an acquire and such
+  a store a release, so those cost nothing more; the sequentially consistent
+  store is libatomic's (an xchg). On arm64 plain ``ldr``/``str`` order
+  nothing, so the release stores and acquire fences are libatomic calls.
+  A rank's votes word holds two rounds because no rank's slot can pass
+  round k + 1 before round k is settled (see below), and a rank proposes a
+  verdict from the votes only while round k's entry is empty.
+* The abort word is written last: first the reason text, then the word
+  (a sequentially consistent store, so the text precedes it), whose crc32
+  and length describe the text. A reader that sees a non-zero word issues
+  an acquire fence and reads a complete reason; if two aborts race and the
+  text is another's, the crc says so and the reader reports the code alone.
+  Kernels only test the word for non-zero.
+* The verdict of round k is decided once, by compare-and-swap (libatomic's
+  ``__atomic_compare_exchange_8``, lock-free on 8 aligned bytes) into its
+  ring entry: the first rank to propose wins and every rank answers what the
+  entry says. A rank proposes the AND of the votes once every slot reached
+  k, TIMEOUT when its deadline passed first, ABORTED when the abort word is
+  set. This is what makes a timeout exactly as on the daemon path: a round
+  that timed out is False for every rank, including those that reach it
+  later, and a rank can never get True for a round another rank was told
+  timed out. Plain loads and stores cannot decide this (two ranks, one
+  timing out as the other arrives, would each see what suits them).
+
+The choice: every rank of a set takes the same path, page or messages. A
+member that attached the page (and, on a GPU, registered it) stores READY
+in its ``mapped`` word before it sends its commit vote; once the commit
+verdict is in, every vote, so every such store, happened before any rank
+reads the marks, and every rank reads the same ones: all READY, the page;
+any missing, messages (a rank without the page has no page to read). The
+commit verdict is the barrier; the daemon need not know the choice.
+
+Rounds: the k-th call of a rank is round k. A rank passes round k only once
+its entry holds a verdict, and a verdict other than TIMEOUT or ABORTED needs
+every slot at k, so a rank is at most one round ahead of the slowest one
+(it waits), except past rounds that timed out. A rank that timed out in
+round k calls again in round k + 1 while a peer is still in round k: the
+peer finds round k's verdict TIMEOUT and answers False at once (and so on
+for every round that timed out while it was away); round k + 1 then
+proceeds normally. A rank more than RING rounds behind the latest
+verdict finds its round's entry reused and answers False (the daemon path
+keeps 64 settled rounds too).
+
+The wait: spin (``spin_budget``: long where every rank can have a core of
+its own, short where ranks share cores and a spinner steals its peer's
+time), then FUTEX_WAIT on ``wake`` (a shared futex, not
+FUTEX_PRIVATE: the waiters are different processes) until the deadline, in
+slices of at most WAIT_SLICE_S, so a waiting rank does not burn a core.
+A sleeper reads ``wake``, increments ``sleepers`` (a sequentially consistent
+RMW), checks once more, then waits on the value it read. Every change a
+waiter waits for (the last vote of a round, a verdict, the abort) is a
+sequentially consistent store or CAS followed by a load of ``sleepers``;
+only when it is non-zero does the writer bump ``wake`` and call FUTEX_WAKE.
+Either the writer sees the sleeper, or the sleeper's last check sees the
+change (neither load can pass the other side's store: Dekker's argument),
+so no wake is lost, and a round without sleepers costs no system call.
+Only a vote after which every slot shows the round wakes anyone (waiters
+wait for all slots): of two last voters racing, each loads the other's
+slot after its own store, so at least one sees both and wakes. So a round
+costs one FUTEX_WAKE at most, not one per rank.
+
+Requirements: x86-64 or arm64 Linux and libatomic.so.1 (lock-free 8-byte
+operations); where they are missing, or memfd_create or mmap fails, this
+module raises PageError and the caller keeps the daemon's message path.
+
+Trust: every member maps the page read-write, so a member can forge any
+answer of its own group's rounds (True included, by writing a peer's slot
+or a verdict), time them out, abort the group, or (faking ``sleepers``)
+make its peers' votes pay a FUTEX_WAKE each, as a sleeper that died inside
+FUTEX_WAIT does. That is no new power: a member already maps every peer's
+buffer read-write. It reaches no other group (it holds no other group's
+fd), and the page is sealed against resizing (a shrunk memfd would SIGBUS
+the daemon and the peers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import fcntl
+import mmap
+import os
+import zlib
+from dataclasses import dataclass
+
+from .atomics import SEQ_CST, PageError, atomics
+
+MAGIC = int.from_bytes(b"peerdCP1", "little")
+VERSION = 1
+RING = 64
+MAX_NPES = 1024
+REASON_BYTES = 256
+SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
+WAIT_SLICE_S = 0.05
+#: what the fd channel's page answer names its two fds: the page, the daemon's alive pipe (peerd.pages)
+PAGE_HANDLES = [b"control-page", b"daemon-alive"]
+#: /proc shows the page as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
+MEMFD_NAME = "controlpage"
+
+OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
+OFF_WAKE, OFF_SLEEPERS = 64, 68
+OFF_ABORT, OFF_REASON = 128, 192
+OFF_VERDICTS = 448
+OFF_SLOTS = 1024
+SLOT_BYTES = 64
+
+ROUND_BITS = 40  # 10^12 rounds: centuries at one round per decode step
+
+
+class AbortCode(enum.IntEnum):
+    """Why a group was aborted: what the daemon writes, what kernels and waiters report."""
+
+    MEMBER_DIED = 1
+    EVICTED = 2
+    SET_FAILED = 3
+    SHUTDOWN = 4
+    MEMBER_ABORTED = 5  # a member gave up on its group itself
+    MEMBER_LEFT = 6  # a member released its buffers while its peers still hold theirs
+
+
+class Outcome(enum.IntEnum):
+    """A round's verdict, as its ring entry stores it (0: not settled)."""
+
+    AGREED = 1
+    VOTED_NO = 2
+    TIMED_OUT = 3
+    ABORTED = 4
+
+
+class GroupAborted(RuntimeError):
+    """The group's abort word is set: ``code`` (AbortCode or a number) and ``reason``."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class StaleInstance(PageError):
+    """The page was made by another daemon run than the one this process talks to."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str = ""
+
+
+def page_bytes(npes: int) -> int:
+    """The page's size for ``npes`` ranks: whole pages."""
+    return -(-(OFF_SLOTS + SLOT_BYTES * npes) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def spin_budget(npes: int) -> float:
+    """Seconds a waiting rank spins before it sleeps: long when this process may
+    run on at least two cores per rank, else short (oversubscribed)."""
+    return SPIN_OWN_CORE_S if len(os.sched_getaffinity(0)) >= 2 * npes else SPIN_SHARED_S
+
+
+def new_instance_id() -> int:
+    """A daemon run's id: random, 64 bits, never 0."""
+    return int.from_bytes(os.urandom(8), "little") | 1
+
+
+READY = int.from_bytes(b"mapped!!", "little")
+OFF_MAPPED = 16  # in a slot
+
+
+def slot_offset(rank: int) -> int:
+    return OFF_SLOTS + SLOT_BYTES * rank
+
+
+def verdict_offset(k: int) -> int:
+    return OFF_VERDICTS + 8 * (k % RING)
+
+
+def encode_verdict(k: int, outcome: Outcome, rank: int) -> int:
+    return (k % (1 << ROUND_BITS)) << 24 | int(outcome) << 16 | rank
+
+
+def decode_verdict(word: int) -> tuple[int, int, int]:
+    """(round, outcome, rank) of a ring entry."""
+    return word >> 24, (word >> 16) & 0xFF, word & 0xFFFF
+
+
+def encode_abort(code: int, reason: bytes) -> int:
+    return zlib.crc32(reason) << 32 | len(reason) << 16 | code
+
+
+# ---------------------------------------------------------------- the page
+
+
+class ControlPage:
+    """One group's control page, mapped in this process.
+
+    ``ControlPage.create(npes, instance, generation)`` (the daemon) makes the
+    memfd and initializes the header; ``ControlPage.attach(fd, ...)`` (a
+    member, given the fd) maps it and checks the header. Both own ``fd``
+    until ``close()``.
+    """
+
+    def __init__(self, fd: int, size: int):
+        a = atomics()
+        self.fd, self.size = fd, size
+        address = a.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise PageError(f"mmap of the control page failed: {os.strerror(ctypes.get_errno())}")
+        self.address = address
+        self._words: dict[int, ctypes.c_uint64] = {}
+
+    @classmethod
+    def create(cls, npes: int, instance: int, generation: int = 0) -> "ControlPage":
+        if not 1 <= npes <= MAX_NPES:
+            raise ValueError(f"npes must be in 1..{MAX_NPES}, got {npes}")
+        size = page_bytes(npes)
+        try:
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as err:
+            raise PageError(f"memfd_create failed: {err}") from None
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            page = cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        for offset, value in ((OFF_VERSION, VERSION), (OFF_INSTANCE, instance), (OFF_NPES, npes),
+                              (OFF_GENERATION, generation)):
+            page.word(offset).value = value
+        atomics().store_release(page.word(OFF_MAGIC), MAGIC)  # the header is complete once magic shows
+        return page
+
+    @classmethod
+    def attach(cls, fd: int, npes: int | None = None, instance: int | None = None,
+               generation: int | None = None) -> "ControlPage":
+        """Map a page received as ``fd`` and check it: a control page of this
+        layout, at least its own size, of ``npes`` ranks, made by daemon run
+        ``instance`` (StaleInstance otherwise) for set ``generation``, each
+        where given. The page owns ``fd`` from here on: a refusal closes it."""
+        try:
+            size = os.fstat(fd).st_size
+            if size < OFF_SLOTS + SLOT_BYTES:
+                raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
+            page = cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            magic = page.word(OFF_MAGIC).value
+            atomics().acquire_fence()
+            if magic != MAGIC or page.version != VERSION:
+                raise PageError(f"fd {fd} is not a version-{VERSION} control page (magic {magic:#x})")
+            if page.npes > MAX_NPES or page_bytes(page.npes) > size:
+                raise PageError(f"the control page says npes={page.npes} but holds {size} bytes")
+            if npes is not None and page.npes != npes:
+                raise PageError(f"the control page is for npes={page.npes}, this group has npes={npes}")
+            if instance is not None:
+                page.check_instance(instance)
+            if generation is not None and page.generation != generation:
+                raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
+        except BaseException:
+            page.close()
+            raise
+        return page
+
+    def word(self, offset: int) -> ctypes.c_uint64:
+        """The u64 at ``offset``: ``.value`` is one aligned load or store."""
+        w = self._words.get(offset)
+        if w is None:
+            w = self._words[offset] = ctypes.c_uint64.from_address(self.address + offset)
+        return w
+
+    @property
+    def version(self) -> int:
+        return self.word(OFF_VERSION).value
+
+    @property
+    def instance(self) -> int:
+        return self.word(OFF_INSTANCE).value
+
+    @property
+    def npes(self) -> int:
+        return self.word(OFF_NPES).value
+
+    @property
+    def generation(self) -> int:
+        return self.word(OFF_GENERATION).value
+
+    @property
+    def abort_address(self) -> int:
+        """Host address of the abort word (non-zero: aborted)."""
+        return self.address + OFF_ABORT
+
+    def check_instance(self, instance: int) -> None:
+        """Raise StaleInstance unless daemon run ``instance`` made this page."""
+        if self.instance != instance:
+            raise StaleInstance(
+                f"this group's control page was made by daemon instance {self.instance:#x}, but the daemon "
+                f"now is instance {instance:#x}: it restarted, so the group's buffers and rounds are gone; "
+                f"build the PeerBuffer again"
+            )
+
+    # ------------------------------------------------------------ the choice
+
+    def mark_mapped(self, rank: int) -> None:
+        """Rank ``rank`` mapped the page: it takes the page path if every rank did."""
+        atomics().store_seq_cst(self.word(slot_offset(rank) + OFF_MAPPED), READY)
+
+    def unmapped(self) -> list[int]:
+        """Ranks that did not mark the page mapped: the group keeps the message path unless none."""
+        missing = [r for r in range(self.npes) if self.word(slot_offset(r) + OFF_MAPPED).value != READY]
+        atomics().acquire_fence()
+        return missing
+
+    # ------------------------------------------------------------ abort
+
+    def abort(self, code: int, reason: str) -> None:
+        """Abort the group: reason text, then the word, then wake every waiter."""
+        if not 0 < code < 1 << 16:
+            raise ValueError(f"abort code must be in 1..65535, got {code}")
+        text = reason.encode()[: REASON_BYTES - 1].decode(errors="ignore").encode()
+        ctypes.memmove(self.address + OFF_REASON, text, len(text))
+        atomics().store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text
+        self.wake(force=True)
+
+    def aborted(self) -> GroupAborted | None:
+        """The abort, with its reason, or None while the group is not aborted."""
+        word = self.word(OFF_ABORT).value
+        if not word:
+            return None
+        atomics().acquire_fence()
+        code, length, crc = word & 0xFFFF, (word >> 16) & 0xFFFF, word >> 32
+        text = ctypes.string_at(self.address + OFF_REASON, min(length, REASON_BYTES))
+        try:
+            name = AbortCode(code).name
+        except ValueError:
+            name = f"code {code}"
+        if zlib.crc32(text) != crc or length > REASON_BYTES:
+            return GroupAborted(code, f"the group was aborted ({name}); its reason was overwritten")
+        return GroupAborted(code, f"the group was aborted ({name}): {text.decode(errors='replace')}")
+
+    def check(self) -> None:
+        """Raise GroupAborted with the reason once the group is aborted."""
+        err = self.aborted()
+        if err is not None:
+            raise err
+
+    # ------------------------------------------------------------ futex
+
+    def wake(self, force: bool = False) -> None:
+        """Tell sleepers that something changed. The change must have been a
+        sequentially consistent store or RMW: then either a sleeper announced
+        itself before this load of ``sleepers``, or its check after announcing
+        sees the change (Note [Control page layout])."""
+        a = atomics()
+        if force or a.load_seq_cst(self.word(OFF_WAKE)) >> 32:  # sleepers: the upper half of that word
+            a.add32(self.address + OFF_WAKE, 1, SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
+            a.futex_wake(self.address + OFF_WAKE)
+
+    def sleep(self, ready, seconds: float) -> None:
+        """Block in FUTEX_WAIT until a wake, unless ``ready()`` already holds."""
+        a = atomics()
+        wake = self.address + OFF_WAKE
+        seen = ctypes.c_uint32.from_address(wake).value
+        a.add32(self.address + OFF_SLEEPERS, 1, SEQ_CST)
+        try:
+            if not ready():
+                a.futex_wait(wake, seen, max(seconds, 0.0))
+        finally:
+            a.add32(self.address + OFF_SLEEPERS, 0xFFFFFFFF, SEQ_CST)
+
+    def close(self) -> None:
+        if self.address:
+            self._words.clear()
+            atomics().munmap(self.address, self.size)
+            self.address = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "ControlPage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,180 @@
+"""The control page in one process: layout, write order, aborts, instances,
+timeouts and futex wakes (ranks as threads; the processes are in
+tests/integration/test_controlpage_agree.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import threading
+import time
+
+import pytest
+
+from peerd import controlpage as cp
+from peerd.controlpage import AbortCode, ControlPage, GroupAborted, Outcome, PageError, StaleInstance
+from peerd.pageagree import PageVoter
+
+
+@pytest.fixture
+def pages():
+    made = []
+
+    def make(npes: int, instance: int = 0x1234) -> ControlPage:
+        made.append(ControlPage.create(npes, instance, generation=7))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def twin(page: ControlPage) -> ControlPage:
+    """The same page mapped a second time, as another member maps it."""
+    return ControlPage.attach(os.dup(page.fd), npes=page.npes, instance=page.instance)
+
+
+@pytest.mark.parametrize("npes", [1, 2, 8, 63, 1024])
+def test_every_field_has_its_own_place_and_every_slot_its_own_cache_line(npes):
+    fields = [(cp.OFF_MAGIC, 8), (cp.OFF_VERSION, 8), (cp.OFF_INSTANCE, 8), (cp.OFF_NPES, 8),
+              (cp.OFF_GENERATION, 8), (cp.OFF_WAKE, 4), (cp.OFF_SLEEPERS, 4), (cp.OFF_ABORT, 8),
+              (cp.OFF_REASON, cp.REASON_BYTES), (cp.OFF_VERDICTS, 8 * cp.RING)]
+    fields += [(cp.slot_offset(r), cp.SLOT_BYTES) for r in range(npes)]
+    ends = sorted((start, start + size) for start, size in fields)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:])), "no two fields overlap"
+    assert all(start % min(size, 8) == 0 for start, size in fields), "every word is naturally aligned"
+    assert all(cp.slot_offset(r) % 64 == 0 for r in range(npes))
+    assert cp.OFF_ABORT // 64 not in {cp.OFF_WAKE // 64, cp.slot_offset(0) // 64}, "the abort word has its own line"
+    assert cp.page_bytes(npes) >= ends[-1][1] and cp.page_bytes(npes) % os.sysconf("SC_PAGE_SIZE") == 0
+
+
+def test_the_header_says_what_made_the_page_and_attach_checks_it(pages):
+    page = pages(4, instance=0xABCDEF)
+    other = twin(page)
+    assert (other.version, other.instance, other.npes, other.generation) == (cp.VERSION, 0xABCDEF, 4, 7)
+    with pytest.raises(PageError, match="npes=4, this group has npes=2"):
+        ControlPage.attach(os.dup(page.fd), npes=2)
+    with pytest.raises(PageError, match="set generation 7, not 8"):
+        ControlPage.attach(os.dup(page.fd), generation=8)
+    with pytest.raises(StaleInstance, match="daemon instance 0xabcdef, but the daemon now is instance 0x1"):
+        ControlPage.attach(os.dup(page.fd), instance=1)
+    fd = os.memfd_create("not-a-page")
+    os.ftruncate(fd, 4096)
+    with pytest.raises(PageError, match="not a version-1 control page"):
+        ControlPage.attach(fd)
+    other.close()
+
+
+def test_no_member_can_resize_the_page(pages):
+    page = pages(2)
+    with pytest.raises(PermissionError):
+        os.ftruncate(page.fd, 0)  # a shrunk page would SIGBUS every process that maps it
+    assert fcntl.fcntl(page.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
+
+
+def test_a_vote_writes_the_vote_bit_then_the_round(pages):
+    page = pages(1)
+    voter = PageVoter(page, 0)
+    for k, ok in enumerate([True, False, False, True], start=1):
+        assert voter.agree(ok, time.monotonic() + 5).ok is ok
+        votes = page.word(cp.slot_offset(0) + 8).value
+        assert page.word(cp.slot_offset(0)).value == k
+        assert bool(votes & 1 << (k % 2)) is ok, "this round's vote sits in bit k % 2"
+        assert cp.decode_verdict(page.word(cp.verdict_offset(k)).value)[:2] == (k, Outcome.AGREED if ok else
+                                                                                Outcome.VOTED_NO)
+    assert votes & 1 << 1 == 0, "the previous round's vote is kept in the other bit"
+    with pytest.raises(ValueError, match="rank 1 is out of range"):
+        PageVoter(page, 1)
+
+
+def test_an_abort_carries_its_whole_reason_and_check_raises_it(pages):
+    page = pages(2)
+    other = twin(page)
+    assert other.aborted() is None
+    other.check()
+    page.abort(AbortCode.SHUTDOWN, "peerd is shutting down (SIGTERM)")
+    with pytest.raises(GroupAborted, match=r"aborted \(SHUTDOWN\): peerd is shutting down \(SIGTERM\)") as err:
+        other.check()
+    assert err.value.code == AbortCode.SHUTDOWN
+    assert ctypes.c_uint64.from_address(other.abort_address).value & 0xFFFF == AbortCode.SHUTDOWN
+    page.abort(AbortCode.EVICTED, "é" * 400)  # cut to the text area, never inside a character
+    assert other.aborted().reason.endswith("é" * 127)
+    ctypes.memmove(page.address + cp.OFF_REASON, b"garbage", 7)  # a racing second abort's text
+    assert "its reason was overwritten" in other.aborted().reason
+    other.close()
+
+
+def test_a_timed_out_round_is_false_for_the_late_rank_and_the_next_round_agrees(pages):
+    page = pages(2)
+    early, late = PageVoter(page, 0, label="group=g"), PageVoter(twin(page), 1, label="group=g")
+    gave_up = early.agree(True, time.monotonic() + 0.05)
+    assert gave_up == cp.Verdict(False, "agreement round 1 of group=g timed out waiting for rank(s) [1]")
+    later = late.agree(True, time.monotonic() + 600)  # round 1 settled: no wait, False
+    assert later.ok is False and "rank 0 stopped waiting before every rank voted" in later.reason
+    both = {}
+    t = threading.Thread(target=lambda: both.setdefault(0, early.agree(True, time.monotonic() + 600)))
+    t.start()
+    both[1] = late.agree(True, time.monotonic() + 600)
+    t.join(60)
+    assert both == {0: cp.Verdict(True), 1: cp.Verdict(True)}, "round 2 agrees normally"
+
+
+def test_a_rank_far_behind_finds_its_round_forgotten(pages):
+    page = pages(2)
+    voter = PageVoter(page, 1)
+    page.word(cp.verdict_offset(1)).value = cp.encode_verdict(1 + cp.RING, Outcome.TIMED_OUT, 0)
+    verdict = voter.agree(True, time.monotonic() + 600)
+    assert verdict.ok is False and f"more than {cp.RING} rounds behind" in verdict.reason
+
+
+@pytest.fixture
+def no_slices(monkeypatch):
+    """Sleepers wait for their wake alone: a lost wake would hang the test, not end a 50 ms slice."""
+    monkeypatch.setattr("peerd.pageagree.WAIT_SLICE_S", 600.0)
+
+
+def test_an_abort_wakes_a_sleeping_waiter_and_every_later_round_is_false(pages, no_slices):
+    page = pages(2)
+    waiter = PageVoter(twin(page), 0, spin_s=0)
+    got = []
+    t = threading.Thread(target=lambda: got.append(waiter.agree(True, time.monotonic() + 600)))
+    t.start()
+    while not ctypes.c_uint32.from_address(page.address + cp.OFF_SLEEPERS).value:  # inside FUTEX_WAIT
+        time.sleep(0.001)
+    page.abort(AbortCode.MEMBER_DIED, "rank 1 (pid 4242) died")
+    t.join(60)
+    assert not t.is_alive()
+    assert got[0].ok is False and "rank 1 (pid 4242) died" in got[0].reason
+    assert "MEMBER_DIED" in waiter.agree(True, time.monotonic() + 600).reason
+
+
+def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages, no_slices):
+    page = pages(2)
+    sleeper, voter = PageVoter(twin(page), 0, spin_s=0), PageVoter(page, 1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(sleeper.agree(True, time.monotonic() + 600)))
+    t.start()
+    while not ctypes.c_uint32.from_address(page.address + cp.OFF_SLEEPERS).value:
+        time.sleep(0.001)
+    assert voter.agree(False, time.monotonic() + 600) == cp.Verdict(False, "agreement round 1 of this group: "
+                                                                           "rank(s) [1] voted no")
+    t.join(60)
+    assert not t.is_alive(), "the last vote woke the sleeper"
+    assert got == [cp.Verdict(False, "agreement round 1 of this group: rank(s) [1] voted no")]
+    assert ctypes.c_uint32.from_address(page.address + cp.OFF_SLEEPERS).value == 0
+
+
+def test_the_first_proposal_settles_a_round_for_everyone(pages):
+    page = pages(3)
+    a, b = PageVoter(page, 0), PageVoter(page, 1)
+    a.rounds = b.rounds = 5
+    assert a._settle(5, Outcome.TIMED_OUT, 0).ok is False
+    later = b._settle(5, Outcome.AGREED, 1)
+    assert later.ok is False and "round 5 of this group timed out: rank 0 stopped waiting" in later.reason, \
+        "a later proposal loses to the settled verdict"
+
+
+def test_a_rank_spins_long_only_where_every_rank_can_have_two_cores(monkeypatch):
+    monkeypatch.setattr(cp.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert cp.spin_budget(8) == cp.SPIN_OWN_CORE_S > cp.spin_budget(9) == cp.SPIN_SHARED_S
