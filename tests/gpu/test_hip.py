@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,36 @@ def test_out_of_memory_is_a_clear_refusal_that_holds_nothing(hip_daemon):
     (result,) = run_ranks(hip_daemon, "join", 1, "--group", "huge", "--nbytes", str(1 << 40))
     assert result["code"] == "ALLOCATION_FAILED" and "hipErrorOutOfMemory" in result["message"], result
     assert json.loads(hip_daemon.cli("status", "--json").stdout)["bytes_allocated"] == 0
+
+
+REGISTER_SCRIPT = """
+import ctypes, sys
+from cuda.bindings import runtime as cudart
+from peerd.controlpage import OFF_ABORT, AbortCode, ControlPage, new_instance_id
+from peerd_client.hostmap import _Hip
+
+page = ControlPage.create(2, new_instance_id())
+hip = _Hip()
+base = hip.register(page.address, page.size)
+page.abort(AbortCode.EVICTED, "through the device mapping")
+seen = ctypes.c_uint64()
+err, = cudart.cudaMemcpy(ctypes.addressof(seen), base + OFF_ABORT, 8, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+assert err == cudart.cudaError_t.cudaSuccess, err
+assert seen.value == page.word(OFF_ABORT).value != 0, (seen.value, page.word(OFF_ABORT).value)
+hip.unregister(page.address)
+print(page.size)
+"""
+
+
+def test_the_control_page_is_registered_for_kernels_through_hip(shim_dir, tmp_path):
+    """The HIP twin of the page's device mapping (hipHostRegister Portable|Mapped, hipHostGetDevicePointer,
+    hipHostUnregister) through the real bindings: a device load at the returned address sees the abort word."""
+    log = tmp_path / "hipshim.log"
+    env = {**os.environ, "HIPSHIM_LOG": str(log),
+           "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(shim_dir), os.environ.get("LD_LIBRARY_PATH")]))}
+    done = subprocess.run([sys.executable, "-c", REGISTER_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    size = int(done.stdout.split()[-1])
+    calls = [line.split()[1:4] for line in log.read_text().splitlines()]
+    assert ["hipHostRegister", f"size={size}", "flags=0x3"] in calls, calls  # Portable | Mapped
+    assert any(c[0] == "hipHostUnregister" for c in calls), calls

@@ -222,7 +222,7 @@ hipError_t hipIpcCloseMemHandle(void *ptr) { CONTEXT(); return done(cu.IpcCloseM
 hipError_t hipHostRegister(void *host, size_t size, unsigned flags) {
     CONTEXT(); record("hipHostRegister", size, flags, (CUdeviceptr)host); return done(cu.MemHostRegister(host, size, flags));
 }
-hipError_t hipHostUnregister(void *host) { CONTEXT(); return done(cu.MemHostUnregister(host)); }
+hipError_t hipHostUnregister(void *host) { CONTEXT(); record("hipHostUnregister", 0, 0, (CUdeviceptr)host); return done(cu.MemHostUnregister(host)); }
 hipError_t hipHostGetDevicePointer(void **dev, void *host, unsigned flags) {
     CONTEXT();
     CUdeviceptr p = 0;
