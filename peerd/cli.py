@@ -204,6 +204,7 @@ def list_groups(socket_path: str, as_json: bool) -> None:
     conn = _connect(socket_path)
     try:
         groups = list(_buffer_sets(conn))
+        devices = _call(conn, "status")["devices"]
     finally:
         conn.close()
     if as_json:
@@ -211,7 +212,15 @@ def list_groups(socket_path: str, as_json: bool) -> None:
         return
     if not groups:
         click.echo("no buffer sets")
-        return
+    else:
+        _table(groups)
+    for d in devices:  # what the sets are carved from: reserved against handed out, per device and uid
+        for line in describe_usage(d.get("arenas", [])):
+            click.echo(f"{d['uuid']}: {line}")
+
+
+def _table(groups: list[dict]) -> None:
+    """The buffer sets, one line each, a failure's reason on its own line below."""
     rows = [("GROUP", "NAME", "UID", "RANKS", "SIZE", "HELD", "STATE", "HOLDERS", "AGE")]
     for g in groups:
         rows.append(

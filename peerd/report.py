@@ -39,12 +39,13 @@ def hello(registry: Registry, backend: MemoryBackend, instance: int) -> dict[str
 def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: int, loop: dict[str, Any]) -> dict[str, Any]:
     """What `peerd status` shows ``viewer``; ``loop`` holds the serving loop's own facts (connections, drain).
 
-    Another user's groups and connection counts show only to administrators.
+    Another user's groups, connection counts and arena chunks show only to administrators.
     """
     devices = backend.devices()
     connections = loop["connections"]
-    if viewer not in registry.admins:  # who else is connected is the administrators' business
+    if viewer not in registry.admins:  # who else is connected, and holds what, is the administrators' business
         loop = {**loop, "connections": {**connections, "top_uids": [e for e in connections["top_uids"] if e[0] == viewer]}}
+        devices = [{**d, "arenas": [a for a in d.get("arenas", []) if a["uid"] == viewer]} for d in devices]
     found = problems(registry, devices, time.monotonic(), viewer)
     if connections["open"] >= NEARLY * connections["max"]:
         found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")

@@ -147,7 +147,7 @@ def test_a_daemon_restart_pulls_nothing_from_under_a_live_worker(keeping):
         assert r["intact"] == [True, True], r
 
 
-def test_status_and_metrics_show_reserved_against_handed_out_bytes(socket_dir):
+def test_status_ls_and_metrics_show_reserved_against_handed_out_bytes(socket_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -157,6 +157,7 @@ def test_status_and_metrics_show_reserved_against_handed_out_bytes(socket_dir):
                               stdin=subprocess.PIPE) for r in (0, 1)]
         wait_until(lambda: "group=shown name=default live" in d.logs(), 90, "the set to go live")
         assert "arena of uid 0: 1 chunk(s), 64.0 MiB reserved, 16.0 KiB handed out" in d.cli("status").stdout
+        assert "host: arena of uid 0: 1 chunk(s), 64.0 MiB reserved, 16.0 KiB handed out" in d.cli("ls").stdout
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'peerd_arena_reserved_bytes{device="host",uid="0"} 6.7108864e+07' in text, text
         assert 'peerd_arena_handed_out_bytes{device="host",uid="0"} 16384.0' in text, text

@@ -1,4 +1,4 @@
-"""What `peerd status` shows whom: a user sees its own connections, administrators everyone's."""
+"""What `peerd status` shows whom: a user sees its own connections and arenas, administrators everyone's."""
 
 from peerd import report
 from peerd.registry import Registry
@@ -8,17 +8,18 @@ LOOP = {"draining": False, "connections": {"open": 5, "max": 64, "max_per_uid": 
                                            "top_uids": [[1001, 3], [1000, 2]]}}
 
 
-class NoDevices:
+class OneDevice:
     name = "fake"
 
     def devices(self) -> list:
-        return []
+        return [{"uuid": "gpu0", "arenas": [{"uid": 1000, "chunks": 1, "reserved_bytes": 64, "handed_out_bytes": 8},
+                                            {"uid": 1001, "chunks": 2, "reserved_bytes": 128, "handed_out_bytes": 0}]}]
 
 
 def status_for(viewer: int) -> dict:
     mem = FakeMemory()
     registry = Registry(mem.allocate, mem.free, admins=frozenset({0, 990}))
-    return report.status(registry, NoDevices(), 1, viewer, LOOP)
+    return report.status(registry, OneDevice(), 1, viewer, LOOP)
 
 
 def test_a_user_sees_only_its_own_connection_count():
@@ -29,3 +30,10 @@ def test_a_user_sees_only_its_own_connection_count():
 def test_administrators_see_every_uids_connections():
     for admin in (0, 990):
         assert status_for(admin)["connections"]["top_uids"] == [[1001, 3], [1000, 2]]
+
+
+def test_a_user_sees_only_its_own_arena_chunks():
+    (device,) = status_for(1000)["devices"]
+    assert [a["uid"] for a in device["arenas"]] == [1000]
+    (device,) = status_for(0)["devices"]
+    assert [a["uid"] for a in device["arenas"]] == [1000, 1001]
