@@ -98,7 +98,7 @@ def test_control_characters_are_refused_in_keys_and_escaped_in_logs_and_ls(daemo
     shown = daemon.cli("ls")
     assert shown.returncode == 0 and "forged\\x1b[2J\\x1b]0;title\\x07" in shown.stdout, shown.stdout
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
-    assert len(shown.stdout.splitlines()) == 3, "the header, the set, and why it failed: no line forged"
+    assert len(shown.stdout.splitlines()) == 4, "the header, the set, why it failed, the arena: no line forged"
     for p in voters:
         p.stdin.write("done\n")
         p.stdin.flush()
