@@ -15,7 +15,7 @@ from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, 
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
-from .views import backend_for, byte_view, default_device, require_torch
+from .views import backend_for, byte_view, require_torch, worker_device
 
 log = logging.getLogger("peerd_client")
 
@@ -167,7 +167,7 @@ class PeerBuffer:
         ValueError of a device peerd does not serve.
         """
         try:
-            self.device = require_torch().device(device) if device is not None else default_device()
+            self.device = worker_device(device)
             self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
             return self._mapper.device_identity(self.device.index)
         except Exception as err:

@@ -18,10 +18,10 @@ import time
 def run(group: str, rank: int, npes: int, nbytes: int, device: str | None) -> dict:
     from peerd_client import PeerBuffer, tp_agree
 
-    from .views import byte_view, default_device, require_torch
+    from .views import byte_view, require_torch, worker_device
 
     torch = require_torch()
-    dev = torch.device(device) if device else default_device()
+    dev = worker_device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

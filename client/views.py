@@ -20,12 +20,16 @@ def require_torch():
     return torch
 
 
-def default_device():
-    """The worker's current GPU where torch sees one, else the CPU (host backend)."""
+def worker_device(device=None):
+    """``device`` as a torch.device with its index: a bare "cuda" is the worker's current GPU, as torch
+    reads it; None is that GPU where torch sees one, else the CPU (host backend)."""
     torch = require_torch()
-    if torch.cuda.is_available():
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device
 
 
 def backend_for(device, served: str) -> str:

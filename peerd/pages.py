@@ -14,7 +14,8 @@ life, which call it through four hooks:
   member sees EOF there the moment this daemon run ends, however it ends, and
   aborts the page itself (peerd_client.pagelink): a killed daemon cannot.
 * ``hold_dropped(bset, slot, why)``: a member died or released its hold; its
-  peers' rounds and kernels end (MEMBER_DIED, MEMBER_LEFT).
+  peers' rounds and kernels end (MEMBER_DIED at once; MEMBER_LEFT after
+  LEAVE_GRACE_S, see Note [A leaving rank aborts late]).
 * ``set_failed(bset)`` and ``evicted(bset)``: every page of the group is
   aborted (SET_FAILED, EVICTED), the eviction before any memory is freed.
 * ``set_freed(bset)``: the daemon closes its fd and mapping; members keep
@@ -36,6 +37,21 @@ from .controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError, new_in
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")
+
+#: seconds a released rank's peers may still hold its set before their page is aborted; see Note [A
+#: leaving rank aborts late]
+LEAVE_GRACE_S = 1.0
+
+# Note [A leaving rank aborts late]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank that releases a live set has finished with it, but its peers may not have: one whose
+# all-reduce kernel was launched before the release, and runs after it, would see the abort
+# word, stop, and (an eager call that does not synchronize) leave its output unwritten. Every
+# rank's data is already in place when one rank's call returns, so such a peer finishes in
+# microseconds if nothing stops it. So a release aborts the page only if some peer still holds
+# the set LEAVE_GRACE_S later (then it would otherwise wait forever on the departed rank); a job
+# whose ranks all close within that time never aborts anything. A death aborts at once: a dead
+# rank's last call may be unfinished.
 
 @dataclass
 class _Entry:

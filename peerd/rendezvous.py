@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 from .backends.allocation import Allocation
 from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
+from .pages import LEAVE_GRACE_S, NoPages, Pages
 from .credentials import Credentials
 from .outbox import Caller, Outbox, Send, refuse
-from .pages import NoPages, Pages
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
@@ -309,7 +309,7 @@ class Rendezvous:
         if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
             message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
             out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
-        return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released")})]
+        return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released", now)})]
 
     def opened_set(self, req: dict[str, Any], who: Credentials) -> BufferSet:
         """The set whose handles went out in which ``pid`` holds ``rank``: the fd channel's check.
@@ -350,10 +350,14 @@ class Rendezvous:
             ErrorCode.NOT_FOUND, f"pid {pid} holds no rank {rank} of group={key[1]} name={key[2]}"
         )
 
-    def _drop_hold(self, bset: BufferSet, slot: Slot, why: str) -> bool:
-        """Drop one rank's hold; free the set once nobody holds it. True if freed."""
+    def _drop_hold(self, bset: BufferSet, slot: Slot, why: str, left_at: float | None = None) -> bool:
+        """Drop one rank's hold; free the set once nobody holds it. True if freed. A rank that left
+        (``left_at``) aborts its peers' page only if they still hold the set LEAVE_GRACE_S later."""
         slot.held = False
-        self.pages.hold_dropped(bset, slot, why)
+        if left_at is None:
+            self.pages.hold_dropped(bset, slot, why)
+        else:
+            bset.timers.append(self._timers.at(left_at + LEAVE_GRACE_S, lambda t: self.pages.hold_dropped(bset, slot, why) or []))
         holding = len(bset.holding_slots())
         log.info("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
         if holding:

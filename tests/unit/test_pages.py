@@ -8,7 +8,7 @@ import os
 import pytest
 
 from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
-from peerd.pages import Pages
+from peerd.pages import LEAVE_GRACE_S, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory, join, live_set, release
@@ -71,7 +71,9 @@ def test_a_member_that_dies_or_leaves_aborts_its_peers_with_the_reason(reg, page
     if how == "died":
         reg.process_died(101, 1.0)
     else:
-        release(reg, 1)
+        release(reg, 1)  # at time 0: see Note [A leaving rank aborts late]
+        assert view.aborted() is None, "a peer's kernel launched before the release still finishes"
+        reg.expire(LEAVE_GRACE_S)
     aborted = view.aborted()
     assert aborted.code == code and "rank 1 (pid 101)" in aborted.reason, aborted.reason
     view.close()
@@ -148,3 +150,13 @@ def test_on_the_message_path_a_holder_that_never_voted_gets_false_after_an_evict
     reg.evict("g", None)
     agree(reg, 1, group="g")
     assert bodies(agree(reg, 0, group="g"))[("a", 0)]["ok"] is False
+
+
+def test_when_every_rank_leaves_within_the_grace_nobody_hears_a_departure(reg, pages):
+    """Note [A leaving rank aborts late]: the normal end of a job, every rank closing at once."""
+    view = member_view(pages, live_set(reg))
+    release(reg, 1)
+    release(reg, 0)
+    reg.expire(LEAVE_GRACE_S)
+    assert view.aborted().code == AbortCode.SET_FAILED and "freed" in view.aborted().reason  # closed, not left
+    view.close()
