@@ -10,8 +10,10 @@ process, at the device address ``cudaHostGetDevicePointer`` returns. A
 kernel loads the abort word with system-scope acquire loads and sees the
 daemon's plain CPU store without any call on the host (peerd_client.allreduce).
 
-The HIP twin follows the same calls through hip-python and is untested: no
-ROCm machine has run it.
+The HIP twin follows the same calls through hip-python: tests/gpu/test_hip.py
+runs it through the real bindings over a CUDA-backed libamdhip64 (the
+registration's flags, a device load of the abort word); no ROCm machine has
+run it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class _Cuda:
 
 
 class _Hip:
-    """Untested: the same calls through hip-python."""
+    """The same calls through hip-python (run over the CUDA-backed shim only, never on ROCm)."""
 
     def __init__(self) -> None:
         from peerd.backends.hip import _check, _Hip
