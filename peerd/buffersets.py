@@ -108,6 +108,15 @@ class BufferSet:
         slots = [self.slots[r] for r in (ranks if ranks is not None else sorted(self.slots))]
         return ", ".join(f"rank {s.rank} (pid {s.pid})" for s in slots) or "none"
 
+    def mismatch(self, req: dict[str, Any]) -> str | None:
+        """Why a join does not fit the ranks that joined first (npes, nbytes, flags), or None."""
+        diffs = [
+            f"{what}={req[what]} but {self.who()} joined with {what}={have}"
+            for what, have in (("npes", self.npes), ("nbytes", self.nbytes), ("flags", self.flags))
+            if req[what] != have
+        ]
+        return f"rank {req['rank']} of {self.label} asked for " + "; ".join(diffs) if diffs else None
+
 
 # Note [Retired sets]
 # ~~~~~~~~~~~~~~~~~~~

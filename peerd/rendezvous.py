@@ -104,7 +104,7 @@ class Rendezvous:
             if refusal:
                 return None, [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
-        problem = self._mismatch(bset, req)
+        problem = bset.mismatch(req)
         if problem:
             bset.told.add(rank)
             return None, self._fail(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
@@ -186,17 +186,6 @@ class Rendezvous:
         bset = BufferSet(self._ids, key[1], key[2], npes, nbytes, flags, now, key[0])
         self.index.add(bset)
         return bset
-
-    @staticmethod
-    def _mismatch(bset: BufferSet, req: dict[str, Any]) -> str | None:
-        diffs = [
-            f"{what}={req[what]} but {bset.who()} joined with {what}={have}"
-            for what, have in (("npes", bset.npes), ("nbytes", bset.nbytes), ("flags", bset.flags))
-            if req[what] != have
-        ]
-        if diffs:
-            return f"rank {req['rank']} of {bset.label} asked for " + "; ".join(diffs)
-        return None
 
     def _open(self, bset: BufferSet) -> Outbox:
         """Every rank joined: hand every rank every rank's handle in one reply."""
