@@ -140,28 +140,40 @@ def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> d
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def agreement_parser(description: str, rounds: int, warmup: int) -> argparse.ArgumentParser:
+    """The options every agreement benchmark takes (this one and bench/agree_page.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--backend", choices=["host", "cuda"], default="host")
     parser.add_argument("--ranks", default="2,4,8")
-    parser.add_argument("--rounds", type=int, default=2000, help="measured rounds per path and N")
+    parser.add_argument("--rounds", type=int, default=rounds, help="back-to-back rounds per path and N")
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
     parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
     parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def sync_rows(info: dict, path: str) -> list[list]:
+    """The synchronized-rounds table: ``path`` against gloo, p50 and p99, with their ratios."""
+    rows = []
+    for n, r in info["by_n"].items():
+        p, g = r[path]["sync"], r["gloo"]["sync"]
+        rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
+                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
+    return rows
+
+
+def main() -> None:
+    args = agreement_parser(__doc__.split("\n\n")[0], rounds=2000, warmup=50).parse_args()
 
     info = {"bench": "agree_latency", "machine": C.machine(), "backend": args.backend,
             "command": C.command_line(), "rounds": args.rounds, "by_n": {}}
     C.measure_each_n(f"agree_latency-{args.backend}", info, args, measure)
 
-    rows, rows2 = [], []
+    rows, rows2 = sync_rows(info, "peerd"), []
     for n, r in info["by_n"].items():
-        p, g = r["peerd"]["sync"], r["gloo"]["sync"]
-        rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
-                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
         p, g = r["peerd"], r["gloo"]
         rows2.append([n, C.ms(p["round_period"]), C.ms(g["round_period"]),
                       C.ratio(p["round_period"], g["round_period"]),

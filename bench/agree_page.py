@@ -15,7 +15,6 @@ answer, and back-to-back rounds, whose mean period gives rounds per second.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import traceback
@@ -49,18 +48,9 @@ def page_worker(rank, npes, args, start: C.Start, port, results) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
-    parser.add_argument("--ranks", default="2,4,8")
-    parser.add_argument("--rounds", type=int, default=20000, help="back-to-back rounds per path and N")
-    parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
-    parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
-    parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
-    parser.add_argument("--warmup", type=int, default=200)
+    parser = AL.agreement_parser(__doc__.split("\n\n")[0], rounds=20000, warmup=200)
     parser.add_argument("--spin-us", type=float, default=None, help="microseconds a waiting rank spins before it "
                         "sleeps on the futex (default: peerd.controlpage.spin_budget)")
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     info = {"bench": "agree_page", "machine": C.machine(), "backend": args.backend, "command": C.command_line(),
@@ -70,11 +60,8 @@ def main() -> None:
             info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS)
             C.save("agree_page", info, args.out, quiet=True)
 
-    rows, rows2 = [], []
+    rows, rows2 = AL.sync_rows(info, "page"), []
     for n, r in info["by_n"].items():
-        p, g = r["page"]["sync"], r["gloo"]["sync"]
-        rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
-                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
         p, g = r["page"], r["gloo"]
         rows2.append([n, f"{1 / p['round_period']:,.0f}", f"{1 / g['round_period']:,.0f}",
                       C.ms(p["per_call"]["p50"]), C.ms(p["per_call"]["p99"]),

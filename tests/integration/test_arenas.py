@@ -59,6 +59,14 @@ def finished(procs) -> list[dict]:
     return results
 
 
+def let_go(holders) -> list[dict]:
+    """Tell each holding rank to go on (a line on its stdin); their results, every one ok, in order."""
+    for p in holders:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return finished(holders)
+
+
 def test_a_second_set_of_one_uid_shares_the_chunk_and_needs_no_fd_and_no_open(keeping):
     for r in finished(arena_rank.start(keeping, "two_sets", 2, "--group", "pair")):
         assert r["same_chunk"] and r["apart"], r
@@ -86,10 +94,7 @@ def test_another_uid_never_gets_a_buffer_in_the_first_uids_chunk(socket_dir, use
         assert all(row["handed_out_bytes"] == 2 * (1 << 16) for row in rows), rows
         assert len(keeping.segments()) == 2, "one memfd per uid"
     finally:
-        for p in holders:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            assert finish(p)["ok"]
+        assert all(r["ok"] for r in let_go(holders))
         assert keeping.stop() == 0, keeping.logs()
 
 
@@ -102,15 +107,10 @@ def test_a_worker_dying_with_a_buffer_leaves_the_other_buffers_of_its_chunk_inta
     assert len(keeping.segments()) == 1, "both sets live in one chunk"
     os.kill(victims[0].pid, signal.SIGKILL)
     victims[0].wait()
-    victims[1].stdin.write("go\n")
-    victims[1].stdin.flush()
-    assert finish(victims[1])["ok"]
+    assert let_go(victims[1:])[0]["ok"]
     for r in finished(arena_rank.start(keeping, "reuse", 2, "--group", "after")):  # the freed range, dirtied again
         assert r["zero"], r
-    for p in kept:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    for r in finished(kept):
+    for r in let_go(kept):
         assert r["intact"] == [True, True], r
 
 
@@ -125,10 +125,7 @@ def test_a_chunk_over_the_uid_cap_fails_only_that_join_naming_the_numbers(socket
         assert {r["code"] for r in over} == {"LIMIT_EXCEEDED"}, over
         assert any("uid 0 reserves 1048576 bytes (1.0 MiB) of arena chunks and a new one of 1048576 bytes "
                    "(1.0 MiB) on host would pass its cap of 1048576 bytes" in r["message"] for r in over), over
-        for p in holders:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            assert finish(p)["ok"], "the set already in the chunk is untouched"
+        assert all(r["ok"] for r in let_go(holders)), "the set already in the chunk is untouched"
     finally:
         assert d.stop() == 0, d.logs()
 
@@ -141,10 +138,7 @@ def test_a_daemon_restart_pulls_nothing_from_under_a_live_worker(keeping):
     keeping.proc.wait()
     keeping.start()
     assert arenas(keeping) == [], "a new daemon starts with no chunks and sweeps nothing"
-    for p in kept:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    for r in finished(kept):
+    for r in let_go(kept):
         assert r["intact"] == [True, True], r
 
 
@@ -162,9 +156,6 @@ def test_status_ls_and_metrics_show_reserved_against_handed_out_bytes(socket_dir
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'peerd_arena_reserved_bytes{device="host",uid="0"} 6.7108864e+07' in text, text
         assert 'peerd_arena_handed_out_bytes{device="host",uid="0"} 16384.0' in text, text
-        for p in holders:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-            assert finish(p)["ok"]
+        assert all(r["ok"] for r in let_go(holders))
     finally:
         assert d.stop() == 0, d.logs()
