@@ -133,7 +133,8 @@ def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> d
         rounds = list(zip(*synced[path]))  # per round: (elapsed, lag) of every rank
         slowest = [max(e for e, _ in r) for r in rounds]
         out[path] = {
-            "sync": {**C.summary(slowest), "max_start_lag": max((l for r in rounds for _, l in r), default=0.0)},
+            "sync": {**C.summary(slowest), "max_start_lag": max((l for r in rounds for _, l in r), default=0.0),
+                     "start_lag_p50": C.quantile([max(l for _, l in r) for r in rounds], 0.5)},
             "per_call": C.summary(pooled[path]),
             "round_period": sum(periods[path]) / len(periods[path]),
         }
@@ -161,8 +162,12 @@ def sync_rows(info: dict, path: str) -> list[list]:
     for n, r in info["by_n"].items():
         p, g = r[path]["sync"], r["gloo"]["sync"]
         rows.append([n, C.ms(p["p50"]), C.ms(p["p99"]), C.ms(g["p50"]), C.ms(g["p99"]),
-                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"])])
+                     C.ratio(p["p50"], g["p50"]), C.ratio(p["p99"], g["p99"]), C.ms(p["start_lag_p50"])])
     return rows
+
+
+#: sync_rows' columns; the last says how late the latest rank left the common instant (in every path's time)
+SYNC_COLUMNS = ["p50", "p99", "gloo p50", "p99", "ratio p50", "ratio p99", "latest start p50"]
 
 
 def main() -> None:
@@ -181,7 +186,7 @@ def main() -> None:
                       C.ms(g["per_call"]["p50"]), C.ms(g["per_call"]["p99"])])
     print(f"\nagreement latency, synchronized rounds, ms ({args.backend}, {args.sync_rounds} rounds per path; "
           "from the common start until the slowest rank has the answer; ratio = peerd / gloo)")
-    print(C.table(["N", "peerd p50", "p99", "gloo p50", "p99", "ratio p50", "ratio p99"], rows))
+    print(C.table(["N", *SYNC_COLUMNS], rows))
     print(f"\nback-to-back rounds, ms ({args.rounds} rounds per path)")
     print(C.table(["N", "peerd period", "gloo period", "ratio", "peerd call p50", "p99",
                    "gloo call p50", "p99"], rows2))

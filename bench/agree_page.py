@@ -68,7 +68,7 @@ def main() -> None:
                       C.ms(g["per_call"]["p50"]), C.ms(g["per_call"]["p99"])])
     print(f"\nagreement latency, synchronized rounds, ms ({args.sync_rounds} rounds per path; from the common "
           "start until the slowest rank has the answer; ratio = page / gloo)")
-    print(C.table(["N", "page p50", "p99", "gloo p50", "p99", "ratio p50", "ratio p99"], rows))
+    print(C.table(["N", *AL.SYNC_COLUMNS], rows))
     print(f"\nback-to-back rounds ({args.rounds} rounds per path)")
     print(C.table(["N", "page rounds/s", "gloo rounds/s", "page call p50 ms", "p99", "gloo call p50", "p99"],
                   rows2))

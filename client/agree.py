@@ -28,6 +28,13 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     round False."""
     if group is None:
         return bool(ok)
+    link = link_for(group) if isinstance(group, str) else None
+    if link is not None and link.voter is not None and not link.daemon_gone and \
+            (rank, npes) in ((None, None), (link.rank, link.npes)):  # a decode step's guard: nothing to resolve
+        verdict = link.voter.agree(bool(ok), time.monotonic() + (timeout or link.agreement_timeout))
+        if not verdict.ok:
+            log.warning("tp_agree on group=%s is False: %s", group, verdict.reason)
+        return verdict.ok
     conn = connection()
     timeout = timeout or conn.hello["agreement_timeout"]  # decided here and sent: the daemon waits as long
     member = resolve(group, rank, npes, timeout + GRACE_S)

@@ -125,7 +125,8 @@ class PeerBuffer:
         finally:
             for fd in fds:  # a mapping keeps the memory; the fds are spent
                 os.close(fd)
-        self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where)
+        self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
+                               conn.hello["agreement_timeout"])
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
             self._link.attach(conn, self._slot(member), self.device)
         reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]

@@ -25,7 +25,7 @@ import threading
 
 from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
 from peerd.fdchannel import fetch_fds
-from peerd.pageagree import PageVoter
+from peerd.pageagree import PageVoter, native_voter
 from peerd.paths import fd_socket_path
 
 from .connection import REQUEST_TIMEOUT_S
@@ -70,8 +70,9 @@ class GroupLink:
     """What a member's tp_agree needs of its group's live set: the daemon run it came
     from and, where the whole group chose it, the control page."""
 
-    def __init__(self, instance: int | None, rank: int, npes: int, label: str):
+    def __init__(self, instance: int | None, rank: int, npes: int, label: str, agreement_timeout: float):
         self.instance, self.rank, self.npes, self.label = instance, rank, npes, label
+        self.agreement_timeout = agreement_timeout  # the daemon's default: tp_agree's when it names none
         self.page: ControlPage | None = None
         self.mapped = None  # hostmap.MappedPage where the buffer is on a GPU
         self.voter: PageVoter | None = None
@@ -93,6 +94,7 @@ class GroupLink:
         try:
             if self.instance is None:
                 raise MonoUnsupported("the daemon announces no instance id: it predates control pages")
+            native_voter()  # before the mark: a rank that could not vote on the page must not choose it
             handles, fds = fetch_fds(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S,
                                      daemon_pid=conn.hello["pid"])
             if handles != PAGE_HANDLES:

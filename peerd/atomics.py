@@ -11,7 +11,7 @@ import ctypes
 import platform
 
 _ACQUIRE, _RELEASE, SEQ_CST = 2, 3, 5  # C11 memory orders, as libatomic takes them
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # without FUTEX_PRIVATE_FLAG: shared between processes
+_FUTEX_WAKE = 1  # without FUTEX_PRIVATE_FLAG: shared between processes
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
 
 
@@ -30,10 +30,6 @@ class _Atomics:
         except OSError as err:
             raise PageError(f"libatomic.so.1 is not loadable ({err}); install libatomic1") from None
         u64, u32, vp, i = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
-        self.cas = getattr(lib, "__atomic_compare_exchange_8")
-        self.cas.argtypes, self.cas.restype = [vp, vp, u64, i, i], ctypes.c_bool
-        self.load = getattr(lib, "__atomic_load_8")
-        self.load.argtypes, self.load.restype = [vp, i], u64
         self.store = getattr(lib, "__atomic_store_8")
         self.store.argtypes, self.store.restype = [vp, u64, i], None
         self.add32 = getattr(lib, "__atomic_fetch_add_4")
@@ -45,8 +41,6 @@ class _Atomics:
         if not (lock_free(8, None) and lock_free(4, None)):
             raise PageError("libatomic's 8-byte operations are not lock-free here: they cannot cross processes")
         self.tso = platform.machine() == "x86_64"
-        self._expected = ctypes.c_uint64()
-        self._expected_ref = ctypes.byref(self._expected)
         libc = ctypes.CDLL(None, use_errno=True)
         self.syscall = libc.syscall
         self.syscall.restype = ctypes.c_long
@@ -75,23 +69,10 @@ class _Atomics:
         if not self.tso:
             self.fence(SEQ_CST)
 
-    def load_seq_cst(self, word: ctypes.c_uint64) -> int:
-        return word.value if self.tso else self.load(ctypes.addressof(word), SEQ_CST)
-
     def acquire_fence(self) -> None:
         """Loads after it see what the stores before a release that earlier loads saw."""
         if not self.tso:
             self.fence(_ACQUIRE)
-
-    def compare_exchange(self, word: ctypes.c_uint64, expected: int, desired: int) -> bool:
-        self._expected.value = expected
-        return self.cas(ctypes.addressof(word), self._expected_ref, desired, SEQ_CST, SEQ_CST)
-
-    def futex_wait(self, address: int, expected: int, seconds: float) -> None:
-        """Sleep while the u32 at ``address`` equals ``expected``, at most ``seconds``."""
-        ts = (ctypes.c_long * 2)(int(seconds), int((seconds % 1) * 1e9))
-        self.syscall(self.sys_futex, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(expected),
-                     ctypes.byref(ts), None, 0)
 
     def futex_wake(self, address: int) -> None:
         self.syscall(self.sys_futex, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0)

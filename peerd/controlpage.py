@@ -45,6 +45,7 @@ Byte offsets; every word is little-endian and naturally aligned::
     64    wake         u32  futex word: bumped by every publish, settle and abort
     68    sleepers     u32  ranks inside FUTEX_WAIT (publishers skip the wake when 0)
     128   abort        u64  0, or crc32(reason) << 32 | len(reason) << 16 | code
+    136   aborted_at   u64  CLOCK_MONOTONIC ns when the abort was written
     192   reason       256 bytes of UTF-8, the abort reason (len in the abort word)
     448   verdicts     RING u64s: round k's verdict at 448 + 8 * (k % RING),
                             round << 24 | outcome << 16 | rank (0: none yet)
@@ -64,23 +65,24 @@ Write order and why nobody reads half a write:
   k + 1 in the other bit). Aligned 8-byte loads and stores are single
   instructions on x86-64 and arm64 (``mov``/``ldr``/``str`` of an aligned
   u64 are single-copy atomic), so a word is never seen torn, half old and
-  half new; the release/acquire pair orders the two words. Python reaches
-  the words through ``ctypes.c_uint64.from_address(...).value``, one aligned
-  load or store. On x86-64 (TSO) such a load is already an acquire and such
-  a store a release, so those cost nothing more; the sequentially consistent
-  store is libatomic's (an xchg). On arm64 plain ``ldr``/``str`` order
-  nothing, so the release stores and acquire fences are libatomic calls.
+  half new; the release/acquire pair orders the two words. The round runs
+  in C (peerd/_pagevote.c, GCC's ``__atomic`` builtins: acquire loads, a
+  sequentially consistent store of the round, compare-and-swap); the few
+  words Python writes (the header, ``mapped``, the abort) go through
+  ``ctypes.c_uint64.from_address(...).value``, one aligned load or store,
+  ordered by libatomic's fences and sequentially consistent stores where
+  the CPU needs them (peerd.atomics).
   A rank's votes word holds two rounds because no rank's slot can pass
   round k + 1 before round k is settled (see below), and a rank proposes a
   verdict from the votes only while round k's entry is empty.
-* The abort word is written last: first the reason text, then the word
-  (a sequentially consistent store, so the text precedes it), whose crc32
+* The abort word is written last: first the reason text and the instant,
+  then the word (a sequentially consistent store, so both precede it), whose crc32
   and length describe the text. A reader that sees a non-zero word issues
   an acquire fence and reads a complete reason; if two aborts race and the
   text is another's, the crc says so and the reader reports the code alone.
   Kernels only test the word for non-zero.
-* The verdict of round k is decided once, by compare-and-swap (libatomic's
-  ``__atomic_compare_exchange_8``, lock-free on 8 aligned bytes) into its
+* The verdict of round k is decided once, by compare-and-swap (lock-free
+  on 8 aligned bytes) into its
   ring entry: the first rank to propose wins and every rank answers what the
   entry says. A rank proposes the AND of the votes once every slot reached
   k, TIMEOUT when its deadline passed first, ABORTED when the abort word is
@@ -118,7 +120,8 @@ A sleeper reads ``wake``, increments ``sleepers`` (a sequentially consistent
 RMW), checks once more, then waits on the value it read. Every change a
 waiter waits for (the last vote of a round, a verdict, the abort) is a
 sequentially consistent store or CAS followed by a load of ``sleepers``;
-only when it is non-zero does the writer bump ``wake`` and call FUTEX_WAKE.
+only when it is non-zero does the writer bump ``wake`` and call FUTEX_WAKE
+(an abort, rare, always does).
 Either the writer sees the sleeper, or the sleeper's last check sees the
 change (neither load can pass the other side's store: Dekker's argument),
 so no wake is lost, and a round without sleepers costs no system call.
@@ -127,9 +130,10 @@ wait for all slots): of two last voters racing, each loads the other's
 slot after its own store, so at least one sees both and wakes. So a round
 costs one FUTEX_WAKE at most, not one per rank.
 
-Requirements: x86-64 or arm64 Linux and libatomic.so.1 (lock-free 8-byte
-operations); where they are missing, or memfd_create or mmap fails, this
-module raises PageError and the caller keeps the daemon's message path.
+Requirements: x86-64 or arm64 Linux, libatomic.so.1 (lock-free 8-byte
+operations) and, on a member, the compiled voter (built by ``pip install``
+where a C compiler is found); where one is missing, or memfd_create or mmap
+fails, PageError says which and the member keeps the daemon's message path.
 
 Trust: every member maps the page read-write, so a member can forge any
 answer of its own group's rounds (True included, by writing a peer's slot
@@ -148,13 +152,14 @@ import enum
 import fcntl
 import mmap
 import os
+import time
 import zlib
 from dataclasses import dataclass
 
 from .atomics import SEQ_CST, PageError, atomics
 
 MAGIC = int.from_bytes(b"peerdCP1", "little")
-VERSION = 1
+VERSION = 2
 RING = 64
 MAX_NPES = 1024
 REASON_BYTES = 256
@@ -167,7 +172,7 @@ MEMFD_NAME = "controlpage"
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
 OFF_WAKE, OFF_SLEEPERS = 64, 68
-OFF_ABORT, OFF_REASON = 128, 192
+OFF_ABORT, OFF_ABORTED_AT, OFF_REASON = 128, 136, 192
 OFF_VERDICTS = 448
 OFF_SLOTS = 1024
 SLOT_BYTES = 64
@@ -386,9 +391,21 @@ class ControlPage:
         if not 0 < code < 1 << 16:
             raise ValueError(f"abort code must be in 1..65535, got {code}")
         text = reason.encode()[: REASON_BYTES - 1].decode(errors="ignore").encode()
+        a = atomics()
         ctypes.memmove(self.address + OFF_REASON, text, len(text))
-        atomics().store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text
-        self.wake(force=True)
+        self.word(OFF_ABORTED_AT).value = time.monotonic_ns()
+        a.store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text and the instant
+        a.add32(self.address + OFF_WAKE, 1, SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
+        a.futex_wake(self.address + OFF_WAKE)
+
+    @property
+    def aborted_at(self) -> float | None:
+        """When the abort was written (time.monotonic seconds; every process of the
+        machine shares the clock), or None while the group is not aborted."""
+        if not self.word(OFF_ABORT).value:
+            return None
+        atomics().acquire_fence()
+        return self.word(OFF_ABORTED_AT).value / 1e9
 
     def aborted(self) -> GroupAborted | None:
         """The abort, with its reason, or None while the group is not aborted."""
@@ -411,30 +428,6 @@ class ControlPage:
         err = self.aborted()
         if err is not None:
             raise err
-
-    # ------------------------------------------------------------ futex
-
-    def wake(self, force: bool = False) -> None:
-        """Tell sleepers that something changed. The change must have been a
-        sequentially consistent store or RMW: then either a sleeper announced
-        itself before this load of ``sleepers``, or its check after announcing
-        sees the change (Note [Control page layout])."""
-        a = atomics()
-        if force or a.load_seq_cst(self.word(OFF_WAKE)) >> 32:  # sleepers: the upper half of that word
-            a.add32(self.address + OFF_WAKE, 1, SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
-            a.futex_wake(self.address + OFF_WAKE)
-
-    def sleep(self, ready, seconds: float) -> None:
-        """Block in FUTEX_WAIT until a wake, unless ``ready()`` already holds."""
-        a = atomics()
-        wake = self.address + OFF_WAKE
-        seen = ctypes.c_uint32.from_address(wake).value
-        a.add32(self.address + OFF_SLEEPERS, 1, SEQ_CST)
-        try:
-            if not ready():
-                a.futex_wait(wake, seen, max(seconds, 0.0))
-        finally:
-            a.add32(self.address + OFF_SLEEPERS, 0xFFFFFFFF, SEQ_CST)
 
     def close(self) -> None:
         if self.address:

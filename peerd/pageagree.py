@@ -12,82 +12,71 @@ across processes is Note [Control page layout] in peerd.controlpage.
 
 from __future__ import annotations
 
-import time
-
+from .atomics import PageError, atomics
 from .controlpage import (
     OFF_ABORT,
+    OFF_SLEEPERS,
+    OFF_SLOTS,
+    OFF_VERDICTS,
+    OFF_WAKE,
     RING,
     ROUND_BITS,
+    SLOT_BYTES,
     WAIT_SLICE_S,
     ControlPage,
     Outcome,
     Verdict,
-    atomics,
     decode_verdict,
-    encode_verdict,
     slot_offset,
     spin_budget,
-    verdict_offset,
 )
 
 _ROUND_MASK = (1 << ROUND_BITS) - 1
 AGREED = Verdict(True)
+LAYOUT = (OFF_WAKE, OFF_SLEEPERS, OFF_ABORT, OFF_VERDICTS, RING, OFF_SLOTS, SLOT_BYTES, ROUND_BITS)
+
+
+def native_voter():
+    """The compiled round (peerd/_pagevote.c); PageError where it was not built."""
+    try:
+        from ._pagevote import Voter
+    except ImportError as err:
+        raise PageError(f"peerd's compiled voter is not built ({err}): reinstall peerd where a C compiler "
+                        "is found (pip install peerd builds it)") from None
+    return Voter
 
 
 class PageVoter:
-    """One rank's agreement rounds on ``page``; it counts this rank's calls."""
+    """One rank's agreement rounds on ``page``; it counts this rank's calls.
+    The round itself runs in C (peerd/_pagevote.c, the rules above); this
+    class says why a round was False."""
 
     def __init__(self, page: ControlPage, rank: int, label: str = "", spin_s: float | None = None):
         if not 0 <= rank < page.npes:
             raise ValueError(f"rank {rank} is out of range for the control page's npes={page.npes}")
         self.page, self.rank, self.label = page, rank, label or "this group"
-        self.spin_s = spin_budget(page.npes) if spin_s is None else spin_s
-        self.rounds = 0
-        self._round = page.word(slot_offset(rank))
-        self._votes = page.word(slot_offset(rank) + 8)
-        self._abort = page.word(OFF_ABORT)
+        spin = spin_budget(page.npes) if spin_s is None else spin_s
+        self._round = native_voter()(page.address, page.npes, rank, LAYOUT, spin, WAIT_SLICE_S)
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
         self._ballots = [page.word(slot_offset(r) + 8) for r in range(page.npes)]
-        self._entries = [page.word(verdict_offset(k)) for k in range(RING)]
+
+    @property
+    def rounds(self) -> int:
+        return self._round.rounds
+
+    @property
+    def spin_s(self) -> float:
+        return self._round.spin_s
+
+    @spin_s.setter
+    def spin_s(self, seconds: float) -> None:
+        self._round.spin_s = seconds
 
     def agree(self, ok: bool, deadline: float) -> Verdict:
         """Vote ``ok`` in the next round and wait for its verdict, at most
         until monotonic instant ``deadline`` (then the round times out)."""
-        k = self.rounds = self.rounds + 1
-        a, page = atomics(), self.page
-        bit = 1 << (k % 2)
-        self._votes.value = (self._votes.value & ~bit) | (bit if ok else 0)
-        a.store_seq_cst(self._round, k)  # the vote first, then the round
-        entry, slots, abort = self._entries[k % RING], self._slots, self._abort
-        if all(s.value >= k for s in slots):  # the last vote of the round: waiters may go
-            page.wake()
-        if abort.value:  # an aborted group passes no round it had not settled
-            return self._settle(k, Outcome.ABORTED, self.rank)
-
-        def ready() -> bool:
-            return self._settled(entry.value, k) or all(s.value >= k for s in slots) or bool(abort.value)
-
-        spin_until = None
-        while not ready():
-            now = time.monotonic()
-            if now >= deadline:
-                return self._settle(k, Outcome.TIMED_OUT, self.rank)
-            if spin_until is None:
-                spin_until = now + self.spin_s
-            elif now >= spin_until:
-                page.sleep(ready, min(deadline - now, WAIT_SLICE_S))
-        if all(s.value >= k for s in slots):
-            a.acquire_fence()  # pairs with each voter's release: the ballots are round k's
-            agreed = all(b.value & bit for b in self._ballots)
-            return self._settle(k, Outcome.AGREED if agreed else Outcome.VOTED_NO, self.rank)
-        return self._settle(k, Outcome.ABORTED, self.rank)  # or round k was settled: its verdict stands
-
-    # ------------------------------------------------------------ verdicts
-
-    @classmethod
-    def _settled(cls, word: int, k: int) -> bool:
-        """The entry holds round k's verdict, or a later round's (k's was settled long ago)."""
-        return (word >> 24) == k & _ROUND_MASK or cls._behind(word, k)
+        word = self._round.agree(ok, deadline)
+        return AGREED if word is True else self._read(self._round.rounds, word)
 
     @staticmethod
     def _behind(word: int, k: int) -> bool:
@@ -102,28 +91,8 @@ class PageVoter:
         return [r for r, s in enumerate(self._slots)
                 if s.value - k in (0, 1) and not self._ballots[r].value & bit]
 
-    def _settle(self, k: int, outcome: Outcome, rank: int) -> Verdict:
-        """Propose ``outcome`` for round k; the first proposal wins, for every rank.
-        A proposal from the votes is sound whenever it can win: while k's entry is
-        empty no rank has passed round k, so no slot is past k + 1 and every
-        votes word still holds round k's bit."""
-        a = atomics()
-        entry = self._entries[k % RING]
-        proposal = encode_verdict(k, outcome, rank)
-        current = entry.value
-        while not self._settled(current, k):
-            if a.compare_exchange(entry, current, proposal):
-                if outcome in (Outcome.TIMED_OUT, Outcome.ABORTED):
-                    self.page.wake()  # waiters of round k learn it from the entry
-                break
-            current = entry.value
-        a.acquire_fence()
-        return self._read(k)
-
-    def _read(self, k: int) -> Verdict:
-        word = self._entries[k % RING].value
-        if (word >> 16) & 0xFF == Outcome.AGREED and (word >> 24) == k & _ROUND_MASK:
-            return AGREED
+    def _read(self, k: int, word: int) -> Verdict:
+        """Round k's Verdict from its entry ``word``, with the reason a False one needs."""
         if self._behind(word, k):
             return Verdict(False, f"agreement round {k} of {self.label} was settled and forgotten: rank "
                                   f"{self.rank} is more than {RING} rounds behind its peers")

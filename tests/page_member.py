@@ -1,6 +1,6 @@
 """One member of a group with a control page, driven line by line by an integration test.
 
-    python tests/page_member.py --group G --rank R --npes N [--name NAME] [--no-map]
+    python tests/page_member.py --group G --rank R --npes N [--name NAME] [--no-map | --no-voter]
 
 Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool}, then
 answers each command read from stdin with one JSON line:
@@ -37,7 +37,11 @@ def main() -> None:
     parser.add_argument("--name", default="default")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--no-map", action="store_true", help="this rank cannot map the page (mmap refused)")
+    parser.add_argument("--no-voter", action="store_true", help="this rank's peerd was installed without a C "
+                        "compiler: no compiled voter")
     args = parser.parse_args()
+    if args.no_voter:
+        sys.modules["peerd._pagevote"] = None  # what importing an extension that was never built raises
     if args.no_map:
         import peerd_client.pagelink
         from peerd.controlpage import PageError

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import threading
 import time
 
@@ -61,7 +62,7 @@ def test_the_header_says_what_made_the_page_and_attach_checks_it(pages):
         ControlPage.attach(os.dup(page.fd), instance=1)
     fd = os.memfd_create("not-a-page")
     os.ftruncate(fd, 4096)
-    with pytest.raises(PageError, match="not a version-1 control page"):
+    with pytest.raises(PageError, match=f"not a version-{cp.VERSION} control page"):
         ControlPage.attach(fd)
     other.close()
 
@@ -91,9 +92,11 @@ def test_a_vote_writes_the_vote_bit_then_the_round(pages):
 def test_an_abort_carries_its_whole_reason_and_check_raises_it(pages):
     page = pages(2)
     other = twin(page)
-    assert other.aborted() is None
+    assert other.aborted() is None and other.aborted_at is None
     other.check()
+    before = time.monotonic()
     page.abort(AbortCode.SHUTDOWN, "peerd is shutting down (SIGTERM)")
+    assert before <= other.aborted_at <= time.monotonic(), "the instant is time.monotonic's, shared by processes"
     with pytest.raises(GroupAborted, match=r"aborted \(SHUTDOWN\): peerd is shutting down \(SIGTERM\)") as err:
         other.check()
     assert err.value.code == AbortCode.SHUTDOWN
@@ -166,13 +169,48 @@ def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages, no_slices):
 
 
 def test_the_first_proposal_settles_a_round_for_everyone(pages):
-    page = pages(3)
-    a, b = PageVoter(page, 0), PageVoter(page, 1)
-    a.rounds = b.rounds = 5
-    assert a._settle(5, Outcome.TIMED_OUT, 0).ok is False
-    later = b._settle(5, Outcome.AGREED, 1)
-    assert later.ok is False and "round 5 of this group timed out: rank 0 stopped waiting" in later.reason, \
-        "a later proposal loses to the settled verdict"
+    page = pages(2)
+    a, b = PageVoter(page, 0), PageVoter(twin(page), 1)
+    page.word(cp.verdict_offset(1)).value = cp.encode_verdict(1, Outcome.TIMED_OUT, 0)  # rank 0 gave up first
+    t = threading.Thread(target=lambda: b.agree(True, time.monotonic() + 600))
+    t.start()
+    late = a.agree(True, time.monotonic() + 600)
+    t.join(60)
+    assert late.ok is False and "round 1 of this group timed out waiting for rank(s) []" in late.reason, \
+        "every slot reached the round, yet the AND loses to the verdict already in its entry"
+    assert cp.decode_verdict(page.word(cp.verdict_offset(1)).value)[1] == Outcome.TIMED_OUT
+
+
+def test_every_rank_of_a_busy_group_answers_the_same_and_no_round_is_lost(pages):
+    """Eight threads, 2,000 rounds, rank 3 votes no every seventh round: each answer is the AND."""
+    page = pages(8)
+    voters = [PageVoter(page if r == 0 else twin(page), r, spin_s=0 if r % 2 else 1e-4) for r in range(8)]
+    answers = {r: [] for r in range(8)}
+
+    def run(r):
+        for k in range(1, 2001):
+            answers[r].append(voters[r].agree(not (r == 3 and k % 7 == 0), time.monotonic() + 60).ok)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [len(a) for a in answers.values()] == [2000] * 8
+    assert all(a == [k % 7 != 0 for k in range(1, 2001)] for a in answers.values())
+
+
+def test_a_signal_handler_that_raises_ends_a_wait(pages):
+    page = pages(2)
+    voter = PageVoter(page, 0, spin_s=0)
+    previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            voter.agree(True, time.monotonic() + 600)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert voter.rounds == 1 and page.word(cp.slot_offset(0)).value == 1, "the vote stands, as a late rank's"
 
 
 def test_a_rank_spins_long_only_where_every_rank_can_have_two_cores(monkeypatch):

@@ -9,7 +9,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd import ops, protocol
+from peerd import ops
 from peerd.credentials import Credentials
 from peerd.registry import Registry
 from peerd.protocol import ProtocolError
