@@ -1,9 +1,9 @@
 """All-reduce latency: peerd's one-shot kernel against torch.distributed's NCCL,
 in the same worker processes of the same run, on processes sharing ONE GPU.
 
-    PEERD_SOCKET=... python bench/allreduce.py [--ranks 2,4,8] [--json FILE]
+    python bench/allreduce.py [--ranks 2,4,8] [--json FILE]
 
-Needs a running cuda daemon (``peerd serve --backend cuda``). Prints a
+Starts a cuda daemon of its own (``peerd serve --backend cuda``). Prints a
 Markdown table: per group size and message size (bf16), each path's time per
 call (the slowest rank's median over repetitions), NCCL's time over peerd's,
 and how far the two sums differ (NCCL adds in bf16, in ring order). peerd's
@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
 
 SIZES = [1 << k for k in range(10, 21, 2)]  # 1 KiB .. 1 MiB
 WARMUP, REPS, CALLS = 2, 5, 5
@@ -152,6 +155,15 @@ def main() -> None:
         print(json.dumps(worker(args)), flush=True)
         return
 
+    with C.Daemon("cuda", log_level="warning"):
+        report = compare(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def compare(args) -> dict:
+    """Both paths for every group size, printed as rows as they come."""
     report = {"date": datetime.date.today().isoformat(), "machine": machine(), "groups": {}}
     print(f"{report['date']}, {report['machine']}; processes sharing one GPU (not the target topology)")
     probe = launch(2, probe=True, timeout=40)
@@ -173,9 +185,7 @@ def main() -> None:
             difference = max(r["rows"][i]["difference"] for r in results)
             print(f"| {npes} | {size // 1024} KiB | {peerd:.1f} | {nccl:.1f} | {nccl / peerd:.2f} | "
                   f"{difference:.1e} | {unpolled:.1f} | {peerd / unpolled - 1:+.1%} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    return report
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ step 90  $PY bench/setup_latency.py --backend cuda --iters ${SETUP_ITERS:-15} --
 step 70  $PY bench/agree_latency.py --backend cuda --rounds 2000 --sync-rounds 300 --out "$OUTDIR"
 step 90  $PY bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000 --sync-rounds 400 --out "$OUTDIR"
 step 150 $PY bench/abort_latency.py --backend cuda --ranks 2,4,8 --repeats 5 --out "$OUTDIR"
+step 120 $PY bench/allreduce.py --ranks 2,8 --json "$OUTDIR/allreduce.json"
 step 25  $PY bench/status_latency.py --backend cuda --cli-iters 5 --out "$OUTDIR"
 step 70  $PY bench/failure_latency.py --ranks 8 --repeats 2 --seed-repeats 1 --seed-timeout 5 --out "$OUTDIR"
 if [ -n "$RUN_THROUGHPUT" ]; then
