@@ -4,7 +4,7 @@
     python bench/profile_daemon.py --mode cycles --groups 64       # join+commit+release load
     python bench/profile_daemon.py --mode setup --npes 8           # PeerBuffer setups (client side too)
 
-Starts ``peerd serve --backend host`` under ``py-spy record`` (``pip install
+Starts ``peerd serve --backend host`` (or ``--backend cuda``) under ``py-spy record`` (``pip install
 py-spy``; it needs ptrace permission over its child), drives it with
 bench/throughput.py's clients (votes, cycles) or with PeerBuffer setups,
 then prints the functions with the most samples, inclusive and self, from
@@ -36,11 +36,10 @@ def pyspy() -> str:
     return found
 
 
-def _setup_worker(rank, npes, rounds, start, results, profile_out) -> None:
+def _setup_worker(rank, npes, rounds, start, results, profile_out, backend) -> None:
     from peerd_client import PeerBuffer, tp_agree
 
-    import torch
-
+    device = C.torch_device(backend)
     proc = None
     if profile_out and rank == 0:
         proc = subprocess.Popen([pyspy(), "record", "--rate", "1000", "--format", "raw", "-o", profile_out,
@@ -48,7 +47,7 @@ def _setup_worker(rank, npes, rounds, start, results, profile_out) -> None:
         time.sleep(1.0)
     for i in range(rounds):
         start.wait(rank)
-        buf = PeerBuffer(1 << 20, f"prof-{i}", rank, npes, torch.device("cpu"))
+        buf = PeerBuffer(1 << 20, f"prof-{i}", rank, npes, device)
         tp_agree(True, f"prof-{i}", rank, npes)
         buf.close()
     if proc:
@@ -83,6 +82,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["votes", "cycles", "setup"], default="votes")
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--npes", type=int, default=2)
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host", help="the daemon's backend "
+                        "(setup mode: the workers' buffers on GPU 0 for cuda)")
     parser.add_argument("--per-process", type=int, default=20000, help="votes or cycles per client process")
     parser.add_argument("--rounds", type=int, default=100, help="setups, for --mode setup")
     parser.add_argument("--client", action="store_true", help="profile rank 0 (setup mode) instead of the daemon")
@@ -93,7 +94,7 @@ def main() -> None:
     tag = f"{args.mode}-{'client' if args.client else 'daemon'}"
     raw = os.path.join(args.out, f"profile-{tag}.txt")
 
-    daemon = C.Daemon("host")
+    daemon = C.Daemon(args.backend)
     if not args.client:
         daemon.command = [pyspy(), "record", "--rate", "1000", "--format", "raw", "-o", raw, "--"] + daemon.command
     daemon.start()
@@ -104,7 +105,7 @@ def main() -> None:
         t0 = time.monotonic()
         if args.mode == "setup":
             procs = [ctx.Process(target=_setup_worker, args=(r, args.npes, args.rounds, start, results,
-                                                            raw if args.client else None))
+                                                            raw if args.client else None, args.backend))
                      for r in range(args.npes)]
         else:
             per_group = max(1, args.per_process // args.groups)

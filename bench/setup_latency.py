@@ -67,6 +67,22 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
                 marks[f"{op} answered"] = time.monotonic()
 
         Connection.call = call
+        from peerd_client import hostmap, pagelink
+
+        def timed(owner, name, mark):  # the control page's steps, between the join's answer and the commit
+            real = getattr(owner, name)
+
+            def step(*a, **kw):
+                try:
+                    return real(*a, **kw)
+                finally:
+                    marks[mark] = time.monotonic()
+            setattr(owner, name, staticmethod(step) if isinstance(owner, type) else step)
+
+        timed(pagelink, "fetch_fds", "page fetched")
+        timed(pagelink.ControlPage, "attach", "page mapped")
+        timed(hostmap, "MappedPage", "page registered")
+        timed(pagelink, "_DaemonWatch", "daemon watched")
 
         def record(path, i, instant, late):
             done = time.monotonic()

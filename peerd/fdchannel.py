@@ -110,6 +110,7 @@ class FdChannelServer:
                 self._drop(next(iter(self._open)))
             self._open[conn.fileno()] = (conn, now + REQUEST_WAIT_S)
             self._poller.register(conn.fileno(), zmq.POLLIN)
+            self._respond(conn.fileno())  # a client sends its request right after connect: no turn of the loop lost
 
     def _respond(self, fd: int) -> None:
         conn = self._open[fd][0]
