@@ -47,7 +47,7 @@ class _DaemonWatch:
 
     def __init__(self, alive_fd: int, instance: int):
         self._alive, self._instance = alive_fd, instance
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection pass under it may close a collected buffer's link
         self._links: set[GroupLink] = set()
         self.gone = False  # the daemon run is over: tp_agree says DaemonUnavailable, as on the message path
         threading.Thread(target=self._watch, name="peerd-daemon-watch", daemon=True).start()
@@ -59,9 +59,11 @@ class _DaemonWatch:
         os.close(self._alive)
         with self._lock:
             self.gone = True
-            pages = [link.page for link in self._links if link.page is not None]
-        for page in pages:  # no reuse can race this: the daemon that reuses slots is gone
-            self._abort(page)
+            links = list(self._links)
+        for link in links:  # no reuse can race this: the daemon that reuses slots is gone
+            page = link.page
+            if page is not None:
+                self._abort(page)
 
     def _abort(self, page: ControlPage) -> None:
         if page.aborted() is None:
