@@ -128,7 +128,7 @@ class PeerBuffer:
         self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
                                conn.hello["agreement_timeout"])
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
-            self._link.attach(conn, self._slot(member), self.device)
+            self._link.attach(conn, self._slot(member), self.device, joined.get("page"))
         reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]
         try:
             verdict = conn.call(

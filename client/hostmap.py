@@ -1,14 +1,18 @@
-"""The control page in a GPU's address space, so kernels can poll its abort word.
+"""Control page areas in a GPU's address space, so kernels can poll a group's abort word.
 
-    mapped = MappedPage(page, torch.device("cuda", 0))
-    all_reduce(buf, x, abort=mapped)        # the kernel polls mapped.abort_address
-    mapped.close()                          # before page.close()
+    gpu = MappedArea(area.address, area.size)       # once per area, for the process's life
+    mapped = MappedPage(page, gpu, torch.device("cuda", 0))
+    all_reduce(buf, x, abort=mapped)                # the kernel polls mapped.abort_address
 
-The page's memory is registered with ``cudaHostRegister(Mapped | Portable)``
-(``hipHostRegister`` on ROCm): pinned, visible to every context of the
-process, at the device address ``cudaHostGetDevicePointer`` returns. A
-kernel loads the abort word with system-scope acquire loads and sees the
-daemon's plain CPU store without any call on the host (peerd_client.allreduce).
+An area's memory is registered once with ``cudaHostRegister(Mapped |
+Portable)`` (``hipHostRegister`` on ROCm): pinned and visible to every
+context of the process; ``cudaHostGetDevicePointer`` gives its address on
+each device the process uses (asked once per device), and a page's device
+address is that base plus the page's offset in the area. A kernel loads the
+abort word with system-scope acquire loads and sees the daemon's plain CPU
+store without any call on the host (peerd_client.allreduce). The
+registration is never undone: the area stays mapped for the process's life
+(peerd_client.pagelink), and the next page in it costs no driver call.
 
 The HIP twin follows the same calls through hip-python: tests/gpu/test_hip.py
 runs it through the real bindings over a CUDA-backed libamdhip64 (the
@@ -31,18 +35,13 @@ class _Cuda:
 
         self.rt, self._check = _load(), _check
 
-    def register(self, address: int, size: int) -> int:
-        rt = self.rt
-        self._check(rt, rt.cudaHostRegister(address, size, REGISTER_PORTABLE | REGISTER_MAPPED),
-                    "cudaHostRegister of the control page")
-        try:
-            return int(self._check(rt, rt.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer"))
-        except Exception:
-            rt.cudaHostUnregister(address)
-            raise
+    def register(self, address: int, size: int) -> None:
+        self._check(self.rt, self.rt.cudaHostRegister(address, size, REGISTER_PORTABLE | REGISTER_MAPPED),
+                    "cudaHostRegister of the control page area")
 
-    def unregister(self, address: int) -> None:
-        self._check(self.rt, self.rt.cudaHostUnregister(address), "cudaHostUnregister of the control page")
+    def device_pointer(self, address: int) -> int:
+        """The registered ``address`` on the current device."""
+        return int(self._check(self.rt, self.rt.cudaHostGetDevicePointer(address, 0), "cudaHostGetDevicePointer"))
 
 
 class _Hip:
@@ -53,39 +52,44 @@ class _Hip:
 
         self.hip, self._check = _Hip(), _check
 
-    def register(self, address: int, size: int) -> int:
-        rt = self.hip.rt
-        self._check(rt.hipHostRegister(address, size, REGISTER_PORTABLE | REGISTER_MAPPED),
-                    "hipHostRegister of the control page")
-        try:
-            return int(self._check(rt.hipHostGetDevicePointer(address, 0), "hipHostGetDevicePointer"))
-        except Exception:
-            rt.hipHostUnregister(address)
-            raise
+    def register(self, address: int, size: int) -> None:
+        self._check(self.hip.rt.hipHostRegister(address, size, REGISTER_PORTABLE | REGISTER_MAPPED),
+                    "hipHostRegister of the control page area")
 
-    def unregister(self, address: int) -> None:
-        self._check(self.hip.rt.hipHostUnregister(address), "hipHostUnregister of the control page")
+    def device_pointer(self, address: int) -> int:
+        """The registered ``address`` on the current device."""
+        return int(self._check(self.hip.rt.hipHostGetDevicePointer(address, 0), "hipHostGetDevicePointer"))
+
+
+class MappedArea:
+    """The area at host ``address`` (``size`` bytes), registered for the GPUs at its first ``base``."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address, self.size = address, size
+        self._runtime = _Hip() if torch.version.hip else _Cuda()
+        self._registered = False
+        self._bases: dict[int, int] = {}  # device index -> the area's address there
+
+    def base(self, device) -> int:
+        """The area's address for kernels on ``device``: registers the area the first time."""
+        device = torch.device(device)
+        base = self._bases.get(device.index)
+        if base is None:
+            with torch.cuda.device(device):
+                if not self._registered:
+                    self._runtime.register(self.address, self.size)
+                    self._registered = True
+                base = self._bases[device.index] = self._runtime.device_pointer(self.address)
+        return base
 
 
 class MappedPage:
-    """``page`` registered for ``device``: ``abort_address`` is where a kernel
-    on that device loads the abort word; ``check()`` raises the abort on the host."""
+    """``page`` of the registered ``area`` as kernels on ``device`` see it: ``abort_address`` is
+    where they load the abort word; ``check()`` raises the abort on the host."""
 
-    def __init__(self, page: ControlPage, device) -> None:
+    def __init__(self, page: ControlPage, area: MappedArea, device) -> None:
         self.page = page
-        self.device = torch.device(device)
-        self._runtime = _Hip() if torch.version.hip else _Cuda()
-        with torch.cuda.device(self.device):
-            base = self._runtime.register(page.address, page.size)
-        self.abort_address = base + OFF_ABORT
-        self._registered = page.address
+        self.abort_address = area.base(device) + (page.address - area.address) + OFF_ABORT
 
     def check(self) -> None:
         self.page.check()
-
-    def close(self) -> None:
-        """Unregister (the page itself stays mapped); no kernel may still poll it."""
-        if self._registered:
-            with torch.cuda.device(self.device):
-                self._runtime.unregister(self._registered)
-            self._registered = 0

@@ -1,14 +1,20 @@
 """A member's link to its set's control page, and tp_agree on it.
 
-After its join a PeerBuffer asks the daemon's fd channel for the set's
-control page (peerd.pages): ``attach`` maps it, registers it with the GPU
-where the buffer lives on one (peerd_client.hostmap), marks it mapped and
-watches the daemon's alive pipe. Anything that fails on the way (an old
-daemon that announces no instance, a page from another daemon run, no
-memfd, cudaHostRegister refused) costs one WARNING and leaves the rank on
-the daemon's message path, never a crash. Whether the group as a whole
-takes the page is read after the commit verdict (Note [Control page
-layout], "The choice"), so every rank takes the same path.
+The join reply says where the set's page is (``page: [area id, offset,
+generation]``, peerd.pages). A process keeps every control page area it
+was given mapped for its whole life, keyed by (daemon instance, area id),
+and registered once with the GPU where a buffer lives on one
+(peerd_client.hostmap): only the first PeerBuffer per area asks the
+daemon's fd channel for it; every later one builds a view at area base +
+offset, checks its header, marks it mapped and goes on, with no message,
+mmap or driver call. One watch per daemon run per process reads the
+daemon's alive pipe and, when that run ends, aborts the page of every open
+link of it. Anything that fails on the way (an old daemon that announces no
+instance, a set without a page, a page from another daemon run, no memfd,
+cudaHostRegister refused) costs one WARNING and leaves the rank on the
+daemon's message path, never a crash. Whether the group as a whole takes
+the page is read after the commit verdict (Note [Control page layout],
+"The choice"), so every rank takes the same path.
 
 A GroupLink is kept per group key while its PeerBuffer is open; tp_agree
 asks ``link_for(key)``: with a page it votes there, without one it still
@@ -22,8 +28,10 @@ import logging
 import os
 import select
 import threading
+from dataclasses import dataclass
+from typing import Any
 
-from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
+from peerd.controlpage import PAGE_HANDLES, AbortCode, Area, ControlPage
 from peerd.fdchannel import fetch_fds
 from peerd.pageagree import PageVoter, native_voter
 from peerd.paths import fd_socket_path
@@ -35,35 +43,81 @@ log = logging.getLogger("peerd_client")
 
 
 class _DaemonWatch:
-    """Aborts the page once the daemon run that made it is gone: EOF on its alive pipe."""
+    """Aborts the pages of its daemon run's open links once that run is gone: EOF on its alive pipe."""
 
-    def __init__(self, alive_fd: int, page: ControlPage, instance: int):
-        self._alive = alive_fd
-        self._stop_r, self._stop_w = os.pipe()
-        self._page, self._instance = page, instance
+    def __init__(self, alive_fd: int, instance: int):
+        self._alive, self._instance = alive_fd, instance
+        self._lock = threading.RLock()  # a collection pass under it may close a collected buffer's link
+        self._links: set[GroupLink] = set()
         self.gone = False  # the daemon run is over: tp_agree says DaemonUnavailable, as on the message path
-        self._thread = threading.Thread(target=self._watch, name="peerd-daemon-watch", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._watch, name="peerd-daemon-watch", daemon=True).start()
 
     def _watch(self) -> None:
         poller = select.poll()
         poller.register(self._alive, select.POLLIN | select.POLLHUP)
-        poller.register(self._stop_r, select.POLLIN)
-        try:
-            events = dict(poller.poll())
-            self.gone = self._stop_r not in events
-            if self.gone and self._page.aborted() is None:
-                self._page.abort(AbortCode.SHUTDOWN, f"the peerd daemon (instance {self._instance:#x}) is gone: it "
-                                                     "died or stopped; build the PeerBuffer again once it runs")
-        finally:
-            os.close(self._alive)
+        poller.poll()
+        os.close(self._alive)
+        with self._lock:
+            self.gone = True
+            links = list(self._links)
+        for link in links:  # no reuse can race this: the daemon that reuses slots is gone
+            page = link.page
+            if page is not None:
+                self._abort(page)
 
-    def stop(self) -> None:
-        os.write(self._stop_w, b"x")
-        if threading.current_thread() is not self._thread:  # a collection pass may run in the watcher itself
-            self._thread.join()
-        os.close(self._stop_r)
-        os.close(self._stop_w)
+    def _abort(self, page: ControlPage) -> None:
+        if page.aborted() is None:
+            page.abort(AbortCode.SHUTDOWN, f"the peerd daemon (instance {self._instance:#x}) is gone: it "
+                                           "died or stopped; build the PeerBuffer again once it runs")
+
+    def add(self, link: "GroupLink") -> None:
+        with self._lock:
+            self._links.add(link)
+            gone = self.gone
+        if gone:
+            self._abort(link.page)
+
+    def discard(self, link: "GroupLink") -> None:
+        with self._lock:
+            self._links.discard(link)
+
+
+@dataclass
+class _HeldArea:
+    area: Area
+    watch: _DaemonWatch
+    gpu: Any = None  # hostmap.MappedArea, once a buffer of this process lives on a GPU
+
+
+_areas: dict[tuple[int, int], _HeldArea] = {}  # (daemon instance, area id) -> mapped for this process's life
+_watches: dict[int, _DaemonWatch] = {}  # daemon instance -> its watch
+_areas_lock = threading.Lock()
+
+
+def _held_area(conn, slot: dict, instance: int, area_id: int) -> _HeldArea:
+    """Area ``area_id`` of daemon run ``instance``, mapped here; fetched over the fd channel the first time."""
+    with _areas_lock:
+        held = _areas.get((instance, area_id))
+        if held is not None:
+            return held
+        handles, fds = fetch_fds(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S,
+                                 daemon_pid=conn.hello["pid"])
+        if handles != PAGE_HANDLES or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise MonoUnsupported(f"the daemon's fd channel sent {handles!r}, not a control page area")
+        area_fd, alive_fd = fds
+        try:
+            area = Area.attach(area_fd)  # closes area_fd: the mapping keeps the memory
+            watch = _watches.get(instance)
+            if watch is None:
+                watch = _watches[instance] = _DaemonWatch(alive_fd, instance)
+                alive_fd = -1
+        finally:
+            if alive_fd >= 0:
+                os.close(alive_fd)
+        held = _areas[(instance, area_id)] = _HeldArea(area, watch)
+        return held
 
 
 class GroupLink:
@@ -88,32 +142,31 @@ class GroupLink:
         """What all_reduce polls: the GPU mapping, else the page itself, else None."""
         return self.mapped or self.page
 
-    def attach(self, conn, slot: dict, device) -> None:
-        """Fetch, map and mark the page; on any failure stay on the message path (one WARNING)."""
-        fds: list[int] = []
+    def attach(self, conn, slot: dict, device, location: list[int] | None) -> None:
+        """Find the page at ``location`` (the join reply's ``page``) in its area, mapped once per
+        process, and mark it; on any failure stay on the message path (one WARNING)."""
         try:
             if self.instance is None:
                 raise MonoUnsupported("the daemon announces no instance id: it predates control pages")
+            if location is None:
+                raise MonoUnsupported("the daemon placed no control page for this set: it runs with "
+                                      "--control-pages false, or could not make one (its log says why)")
             native_voter()  # before the mark: a rank that could not vote on the page must not choose it
-            handles, fds = fetch_fds(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S,
-                                     daemon_pid=conn.hello["pid"])
-            if handles != PAGE_HANDLES:
-                raise MonoUnsupported(f"the daemon's fd channel sent {handles!r}, not a control page")
-            page_fd, alive_fd = fds
-            fds = [alive_fd]  # the page owns page_fd from here on, refused or not
-            self.page = ControlPage.attach(page_fd, npes=self.npes, instance=self.instance)
+            area_id, offset, generation = location
+            held = _held_area(conn, slot, self.instance, area_id)
+            self.page = held.area.page(offset, self.npes, instance=self.instance, generation=generation)
             if device.type == "cuda":
-                from .hostmap import MappedPage  # torch and the GPU runtime: only where a GPU is used
+                from .hostmap import MappedArea, MappedPage  # torch and the GPU runtime: only where a GPU is used
 
-                self.mapped = MappedPage(self.page, device)
-            self._watch = _DaemonWatch(alive_fd, self.page, self.instance)
-            fds = []
+                if held.gpu is None:
+                    held.gpu = MappedArea(held.area.address, held.area.size)
+                self.mapped = MappedPage(self.page, held.gpu, device)
+            self._watch = held.watch
+            self._watch.add(self)
             self.page.mark_mapped(self.rank)
         except Exception as err:  # a rank must reach its commit vote whatever happened here
             log.warning("%s has no control page, so its group agrees through the daemon's messages: %s: %s",
                         self.label, type(err).__name__, err)
-            for fd in fds:
-                os.close(fd)
             self.close()
 
     def choose(self) -> None:
@@ -129,17 +182,13 @@ class GroupLink:
         self.voter = PageVoter(self.page, self.rank, self.label)
 
     def close(self) -> None:
-        """Stop watching, unregister from the GPU, unmap; no kernel may still poll the page."""
+        """Stop using the page: its area stays mapped (and registered) for the next set in it. No
+        kernel of this rank may still poll the page once its set is released."""
         self.voter = None
         if self._watch is not None:
-            self._watch.stop()
+            self._watch.discard(self)
             self._watch = None
-        if self.mapped is not None:
-            self.mapped.close()
-            self.mapped = None
-        if self.page is not None:
-            self.page.close()
-            self.page = None
+        self.mapped = self.page = None
 
 
 _links: dict[str, list[GroupLink]] = {}
@@ -166,7 +215,11 @@ def link_for(key: str) -> GroupLink | None:
 
 
 def _forget_after_fork() -> None:
-    _links.clear()  # a forked child holds none of its parent's ranks
+    global _areas_lock
+    _links.clear()  # a forked child holds none of its parent's ranks,
+    _areas.clear()  # nor its registrations; the parent's watches run in no thread of the child
+    _watches.clear()
+    _areas_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

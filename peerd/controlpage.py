@@ -1,11 +1,15 @@
 """The group control page: agreement votes and the abort word in one shared page.
 
-The daemon creates one page per group in a memfd (no name anyone could guess
-or open) and hands the fd to the group's members; every member maps it. On
-it, ``PageVoter.agree`` is tp_agree without a message to the daemon, and
-``ControlPage.abort`` is how the daemon (or a member) fails the whole group at
-once: every waiter wakes, and kernels that poll the abort word (through a
-device mapping of the page, peerd_client.hostmap) exit.
+The daemon keeps its pages in *areas*: one sealed memfd (no name anyone
+could guess or open) of AREA_PAGES fixed-size slots per (owner uid, page
+size), and places each set's page in a slot of its owner's area when the
+set's handles go out. A process maps each area it is given once, for its
+whole life, so only the first buffer set per area costs an fd and a
+mapping; every later one is a ``ControlPage`` view at area base + offset.
+On a page, ``PageVoter.agree`` is tp_agree without a message to the daemon,
+and ``ControlPage.abort`` is how the daemon (or a member) fails the whole
+group at once: every waiter wakes, and kernels that poll the abort word
+(through a device mapping of the area, peerd_client.hostmap) exit.
 
 Standard library only (ctypes, mmap, os, zlib): the daemon and workers both
 import it, and neither may pay for torch or zmq here.
@@ -13,29 +17,36 @@ import it, and neither may pay for torch or zmq here.
 Who calls what (peerd.pages on the daemon's side, peerd_client.pagelink on
 the member's):
 
-* daemon, on the first fd-channel request for a set's page (``{group, name,
+* daemon, when a set's handles go out: ``Area.create(page_bytes(npes))``
+  where its owner has no area of that page size with a free slot, then
+  ``area.page_at(offset).format(npes, instance, generation)`` (``instance``
+  = ``new_instance_id()``, drawn once per daemon run and announced in hello;
+  ``generation`` = the set's id; the slot is zeroed first), so a rank that
+  replaces a dead one starts on a fresh page with fresh rounds. The join
+  reply says where the page is: ``page: [area id, offset, generation]``.
+* member, after its join and before its commit vote: where this process
+  has not mapped that area yet, it asks the fd channel (``{group, name,
   rank, page: true}``, answered only to a pid holding that rank of an
-  OPENING or LIVE set): ``ControlPage.create(npes, instance, generation)``
-  (``instance`` = ``new_instance_id()``, drawn once per daemon run and
-  announced in hello; ``generation`` = the set's id); one page per set, so
-  a rank that replaces a dead one starts on a fresh page with fresh rounds.
-  The fd goes out with the read end of the daemon's alive pipe.
-* member, after its join and before its commit vote: ``ControlPage.attach(fd,
-  npes=npes, instance=hello_instance)``, ``peerd_client.hostmap.MappedPage``
-  on a GPU, then ``mark_mapped(rank)``; any failure costs one WARNING and
-  keeps the message path. After the commit verdict, ``unmapped()`` decides
-  for the group (see "The choice" below), then ``PageVoter(page, rank,
-  label)`` runs tp_agree.
+  OPENING or LIVE set) for the area's fd and the read end of the daemon's
+  alive pipe, and ``Area.attach(fd)`` maps it; then ``area.page(offset,
+  npes=npes, instance=hello_instance, generation=generation)``,
+  ``peerd_client.hostmap.MappedPage`` on a GPU, and ``mark_mapped(rank)``;
+  any failure costs one WARNING and keeps the message path. After the
+  commit verdict, ``unmapped()`` decides for the group (see "The choice"
+  below), then ``PageVoter(page, rank, label)`` runs tp_agree.
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
   evict frees anything, when a set of the group fails, and at shutdown;
-  ``page.close()`` once the set is freed (members keep their own mappings).
-  A member that sees the alive pipe close aborts the page itself: a killed
-  daemon cannot.
+  once the set is freed its slot is free again (an evicted set's only once
+  every process it was handed to exited: peerd.pages, Note [A slot outlives
+  its evicted set]). A member that sees the alive pipe close aborts its
+  pages itself: a killed daemon cannot.
 
 Note [Control page layout]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-Byte offsets; every word is little-endian and naturally aligned::
+Byte offsets from the page's start (a slot of an area: the area's address
++ k * page_bytes(npes), page-aligned); every word is little-endian and
+naturally aligned::
 
     0     magic        u64  MAGIC ("peerdCP1"): this is a control page
     8     version      u64  VERSION: the layout below
@@ -140,9 +151,14 @@ answer of its own group's rounds (True included, by writing a peer's slot
 or a verdict), time them out, abort the group, or (faking ``sleepers``)
 make its peers' votes pay a FUTEX_WAKE each, as a sleeper that died inside
 FUTEX_WAIT does. That is no new power: a member already maps every peer's
-buffer read-write. It reaches no other group (it holds no other group's
-fd), and the page is sealed against resizing (a shrunk memfd would SIGBUS
-the daemon and the peers).
+buffer read-write. It maps its whole area, so it can do the same to every
+other group of its own uid whose page shares the area (the trust the
+arenas already accept: a member maps its uid's whole chunk, peers of other
+groups included; docs/security.md). It reaches no other uid's group: areas
+are per owner uid, and the fd channel hands an area only to a pid holding
+a rank of a set placed in it. The daemon never reads a page (it only
+writes), and the area is sealed against resizing (a shrunk memfd would
+SIGBUS the daemon and the peers).
 """
 
 from __future__ import annotations
@@ -165,9 +181,13 @@ MAX_NPES = 1024
 REASON_BYTES = 256
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
-#: what the fd channel's page answer names its two fds: the page, the daemon's alive pipe (peerd.pages)
-PAGE_HANDLES = [b"control-page", b"daemon-alive"]
-#: /proc shows the page as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
+#: slots per area: one fd and one mapping (and, on a GPU, one registration) serve a process's first 64 sets
+#: of one page size; an area of 8-rank pages is 256 KiB, of the largest (1024 ranks) 4.25 MiB, and tmpfs
+#: only allocates the slots that were used
+AREA_PAGES = 64
+#: what the fd channel's page answer names its two fds: the set's area, the daemon's alive pipe (peerd.pages)
+PAGE_HANDLES = [b"control-area", b"daemon-alive"]
+#: /proc shows an area as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
 MEMFD_NAME = "controlpage"
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
@@ -259,81 +279,111 @@ def encode_abort(code: int, reason: bytes) -> int:
     return zlib.crc32(reason) << 32 | len(reason) << 16 | code
 
 
-# ---------------------------------------------------------------- the page
+# ---------------------------------------------------------------- areas and pages
 
 
-class ControlPage:
-    """One group's control page, mapped in this process.
+def _mmap(fd: int, size: int) -> int:
+    address = atomics().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise PageError(f"mmap of the control page area failed: {os.strerror(ctypes.get_errno())}")
+    return address
 
-    ``ControlPage.create(npes, instance, generation)`` (the daemon) makes the
-    memfd and initializes the header; ``ControlPage.attach(fd, ...)`` (a
-    member, given the fd) maps it and checks the header. Both own ``fd``
-    until ``close()``.
+
+class Area:
+    """A sealed memfd of ``slots`` control pages of ``page_size`` bytes each, mapped here.
+
+    ``Area.create`` (the daemon) makes it and keeps ``fd`` to hand out;
+    ``Area.attach(fd)`` (a member) maps it and closes the fd: the mapping
+    keeps the memory alive, so a member holds no fd of it.
     """
 
     def __init__(self, fd: int, size: int):
-        a = atomics()
-        self.fd, self.size = fd, size
-        address = a.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if address in (None, ctypes.c_void_p(-1).value):
-            raise PageError(f"mmap of the control page failed: {os.strerror(ctypes.get_errno())}")
-        self.address = address
-        self._words: dict[int, ctypes.c_uint64] = {}
+        self.size = size
+        self.address = _mmap(fd, size)
+        self.fd = fd
 
     @classmethod
-    def create(cls, npes: int, instance: int, generation: int = 0) -> "ControlPage":
-        if not 1 <= npes <= MAX_NPES:
-            raise ValueError(f"npes must be in 1..{MAX_NPES}, got {npes}")
-        size = page_bytes(npes)
+    def create(cls, page_size: int, slots: int = AREA_PAGES) -> "Area":
+        """A zero-filled area; PageError where the memfd or its mapping cannot be made."""
         try:
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:
             raise PageError(f"memfd_create failed: {err}") from None
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, page_size * slots)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            page = cls(fd, size)
+            return cls(fd, page_size * slots)
         except BaseException:
             os.close(fd)
             raise
-        for offset, value in ((OFF_VERSION, VERSION), (OFF_INSTANCE, instance), (OFF_NPES, npes),
-                              (OFF_GENERATION, generation)):
-            page.word(offset).value = value
-        atomics().store_release(page.word(OFF_MAGIC), MAGIC)  # the header is complete once magic shows
-        return page
 
     @classmethod
-    def attach(cls, fd: int, npes: int | None = None, instance: int | None = None,
-               generation: int | None = None) -> "ControlPage":
-        """Map a page received as ``fd`` and check it: a control page of this
-        layout, at least its own size, of ``npes`` ranks, made by daemon run
-        ``instance`` (StaleInstance otherwise) for set ``generation``, each
-        where given. The page owns ``fd`` from here on: a refusal closes it."""
+    def attach(cls, fd: int) -> "Area":
+        """Map an area received as ``fd``, which is closed whatever happens."""
         try:
             size = os.fstat(fd).st_size
             if size < OFF_SLOTS + SLOT_BYTES:
-                raise PageError(f"fd {fd} is {size} bytes, too small for a control page")
-            page = cls(fd, size)
-        except BaseException:
+                raise PageError(f"fd {fd} is {size} bytes, too small for a control page area")
+            area = cls(fd, size)
+        finally:
             os.close(fd)
-            raise
-        try:
-            magic = page.word(OFF_MAGIC).value
-            atomics().acquire_fence()
-            if magic != MAGIC or page.version != VERSION:
-                raise PageError(f"fd {fd} is not a version-{VERSION} control page (magic {magic:#x})")
-            if page.npes > MAX_NPES or page_bytes(page.npes) > size:
-                raise PageError(f"the control page says npes={page.npes} but holds {size} bytes")
-            if npes is not None and page.npes != npes:
-                raise PageError(f"the control page is for npes={page.npes}, this group has npes={npes}")
-            if instance is not None:
-                page.check_instance(instance)
-            if generation is not None and page.generation != generation:
-                raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
-        except BaseException:
-            page.close()
-            raise
+        area.fd = -1
+        return area
+
+    def page_at(self, offset: int, size: int) -> "ControlPage":
+        """The raw page at ``offset`` (the daemon formats it)."""
+        if offset < 0 or offset % mmap.PAGESIZE or offset + size > self.size:
+            raise PageError(f"a control page at offset {offset} of {size} bytes is not inside the "
+                            f"{self.size}-byte area")
+        return ControlPage(self.address + offset, size)
+
+    def page(self, offset: int, npes: int, instance: int | None = None,
+             generation: int | None = None) -> "ControlPage":
+        """The page at ``offset``, checked: a control page of this layout, of
+        ``npes`` ranks, made by daemon run ``instance`` (StaleInstance
+        otherwise) for set ``generation``, each where given."""
+        page = self.page_at(offset, page_bytes(npes))
+        magic = page.word(OFF_MAGIC).value
+        atomics().acquire_fence()
+        if magic != MAGIC or page.version != VERSION:
+            raise PageError(f"offset {offset} of the area holds no version-{VERSION} control page (magic {magic:#x})")
+        if page.npes != npes:
+            raise PageError(f"the control page is for npes={page.npes}, this group has npes={npes}")
+        if instance is not None:
+            page.check_instance(instance)
+        if generation is not None and page.generation != generation:
+            raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
         return page
+
+    def close(self) -> None:
+        """Unmap, and close the fd where this process holds it; no view of a page may be used after."""
+        if self.address:
+            atomics().munmap(self.address, self.size)
+            self.address = 0
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ControlPage:
+    """One group's control page: a view of ``size`` bytes at ``address`` of a
+    mapped Area, which owns the memory (the view must not outlive it)."""
+
+    def __init__(self, address: int, size: int):
+        self.address, self.size = address, size
+        self._words: dict[int, ctypes.c_uint64] = {}
+
+    def format(self, npes: int, instance: int, generation: int) -> None:
+        """Zero the page and write its header (the daemon, placing a set in a free slot)."""
+        if not 1 <= npes <= MAX_NPES:
+            raise ValueError(f"npes must be in 1..{MAX_NPES}, got {npes}")
+        if page_bytes(npes) > self.size:
+            raise ValueError(f"a page of npes={npes} needs {page_bytes(npes)} bytes, the slot holds {self.size}")
+        ctypes.memset(self.address, 0, self.size)  # magic too: the header counts only once magic shows again
+        for offset, value in ((OFF_VERSION, VERSION), (OFF_INSTANCE, instance), (OFF_NPES, npes),
+                              (OFF_GENERATION, generation)):
+            self.word(offset).value = value
+        atomics().store_release(self.word(OFF_MAGIC), MAGIC)  # the header is complete once magic shows
 
     def word(self, offset: int) -> ctypes.c_uint64:
         """The u64 at ``offset``: ``.value`` is one aligned load or store."""
@@ -428,18 +478,3 @@ class ControlPage:
         err = self.aborted()
         if err is not None:
             raise err
-
-    def close(self) -> None:
-        if self.address:
-            self._words.clear()
-            atomics().munmap(self.address, self.size)
-            self.address = 0
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "ControlPage":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -14,8 +14,8 @@ daemon's ZeroMQ socket and guarded like it. One request per connection,
 ``{group, name, rank}``; the answer is ``{ok: true, handles}`` with the set's
 fds in rank order (at most FDS_PER_MESSAGE fds per message), or ``{ok: false,
 code, message}``; then the daemon closes. ``{group, name, rank, page: true}``
-asks instead for the set's control page and the daemon's alive pipe
-(peerd.pages), on every backend. The daemon's half never blocks its
+asks instead for the area holding the set's control page and the daemon's
+alive pipe (peerd.pages), on every backend. The daemon's half never blocks its
 loop: it accepts, reads and sends without waiting, and drops a connection
 that is slow, oversized or does not read.
 """

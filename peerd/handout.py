@@ -1,4 +1,4 @@
-"""The fd channel's answer: a member's set memory as fds, or its control page.
+"""The fd channel's answer: a member's set memory as fds, or its control page's area.
 
 Apart from the loop (peerd.server) so the rule reads in one place: only a caller the
 allowlist admits, holding the rank it names in a set whose handles went out
@@ -21,7 +21,7 @@ from .registry import Registry
 
 def member_fds(registry: Registry, backend: MemoryBackend, pages: Pages, allowlist: Allowlist,
                who: Credentials, request: Any) -> tuple[list[bytes], list[int]]:
-    """The handles and fds of the set in which ``who`` holds the rank asked for (or its page and alive pipe)."""
+    """The handles and fds of the set in which ``who`` holds the rank asked for (or its page's area and alive pipe)."""
     if not allowlist.allows(who.uid, who.gid, who.pid):
         raise forbidden(who)
     wants_page, request = pages.split_request(request)

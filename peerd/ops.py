@@ -81,6 +81,13 @@ def _reason(value: str) -> str | None:
     return None if len(value) <= MAX_REASON_CHARS else f"longer than {MAX_REASON_CHARS}"
 
 
+def _page(value: list) -> str | None:
+    """A join reply's control page: [area id, offset in the area, generation (the set's id)]; absent: none."""
+    if len(value) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return "must be [area id, offset, generation]: three integers >= 0"
+    return None
+
+
 def _each(kind: type | tuple[type, ...]):
     return lambda values: None if all(isinstance(v, kind) for v in values) else f"must hold only {kind}"
 
@@ -104,7 +111,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        {**_SLOT, "npes": _NPES, "nbytes": Field(int, between(1, MAX_NBYTES)), "device": Field(str, key),
         "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
-        "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str))},
+        "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str)),
+        "page": Field(list, _page, None)},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain
        registry=True),

@@ -1,39 +1,54 @@
-"""The daemon's control pages: one per buffer set whose handles went out.
+"""The daemon's control pages: one per buffer set whose handles went out, in areas.
 
 The page itself (layout, votes, abort word) is peerd.controlpage; this module
 is the daemon's bookkeeping around it, kept apart from the rules of a set's
-life, which call it through four hooks:
+life, which call it through these hooks:
 
+* ``place(bset)``: the set's handles go out (Rendezvous._open). Its page
+  takes a free slot of its owner's area for that page size (a new area where
+  none has room: AREA_PAGES slots each), zeroed and formatted then, so a
+  rank that replaces a dead one starts on a fresh page with fresh rounds.
+  The answer, ``[area id, offset, generation]``, goes out in the join reply;
+  None (pages off, or no memfd) keeps the group on the message path.
 * ``handout(bset)``: the fd channel's answer to a member asking for its
   set's page (``{group, name, rank, page: true}``; the daemon answers only a
-  pid holding that rank of an OPENING or LIVE set, as for buffer fds). The
-  page is made on the first such request, so one page per set generation,
-  made after its handles went out, for every backend (cuda and hip pass no
-  buffer fds, but the page goes out all the same). With it goes the read end
-  of the daemon's alive pipe: the daemon alone holds the write end, so a
-  member sees EOF there the moment this daemon run ends, however it ends, and
-  aborts the page itself (peerd_client.pagelink): a killed daemon cannot.
+  pid holding that rank of an OPENING or LIVE set, as for buffer fds): the
+  fd of the set's area, so the process maps every later page of that area
+  without asking again. With it goes the read end of the daemon's alive
+  pipe: the daemon alone holds the write end, so a member sees EOF there the
+  moment this daemon run ends, however it ends, and aborts its pages itself
+  (peerd_client.pagelink): a killed daemon cannot.
 * ``hold_dropped(bset, slot, why)``: a member died or released its hold; its
   peers' rounds and kernels end (MEMBER_DIED at once; MEMBER_LEFT after
   LEAVE_GRACE_S, see Note [A leaving rank aborts late]).
 * ``set_failed(bset)`` and ``evicted(bset)``: every page of the group is
   aborted (SET_FAILED, EVICTED), the eviction before any memory is freed.
-* ``set_freed(bset)``: the daemon closes its fd and mapping; members keep
-  theirs until they close.
+* ``set_freed(bset)``: the page is aborted (if nothing did before) and its
+  slot is free again; an evicted set's slot only later, see Note [A slot
+  outlives its evicted set].
+* ``process_gone(pid)``: a process exited; the slots and areas it kept
+  from reuse or from closing may go.
 
-``shutdown()`` aborts every page (SHUTDOWN) and closes them. The first abort
-of a page wins: its reason is the cause, not the aftermath.
+Areas are per (owner uid, page size): a process is handed only its own
+uid's areas, so it can touch the pages of its uid's other groups and of no
+other uid's (Note [Control page layout], Trust). An area whose slots are
+all free and whose processes all exited is closed; a member's mapping keeps
+its memory alive anyway, so nothing is freed under anyone.
+
+``shutdown()`` aborts every page (SHUTDOWN) and closes the areas. The first
+abort of a page wins: its reason is the cause, not the aftermath.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .buffersets import BufferSet, Slot
-from .controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError, new_instance_id
+from .controlpage import AREA_PAGES, PAGE_HANDLES, AbortCode, Area, ControlPage, PageError, new_instance_id, page_bytes
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")
@@ -53,25 +68,86 @@ LEAVE_GRACE_S = 1.0
 # whose ranks all close within that time never aborts anything. A death aborts at once: a dead
 # rank's last call may be unfinished.
 
+# Note [A slot outlives its evicted set]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A set freed the normal way (every rank released or died) leaves nobody on its page: a member
+# closes its link, and its kernels are done (it synchronizes), before it releases. So the slot
+# is free at once, and zeroed when the next set takes it. An evicted set is freed whoever holds
+# it: a holder may still poll the page, vote into it, or run a kernel reading its abort word.
+# Were the slot handed to another set of the uid, that holder could corrupt the newcomer's
+# rounds, and it would read the newcomer's zeroed abort word as "go on". So the slot keeps the
+# EVICTED abort and stays retired until every process it was handed to has exited
+# (``process_gone``), as a shared arena chunk waits for its mappers (peerd.arena: Note [No free
+# under a mapping]).
+
+
+@dataclass
+class _Area:
+    id: int
+    owner: int | None  # the uid whose sets it holds
+    page_size: int
+    area: Area
+    free: list[int]  # offsets of free slots, the lowest last (taken first)
+    retired: dict[int, set[int]] = field(default_factory=dict)  # offset -> live pids: Note [A slot outlives ...]
+    mappers: set[int] = field(default_factory=set)  # live pids a page of it was placed for
+
+    @property
+    def idle(self) -> bool:
+        return len(self.free) == AREA_PAGES and not self.mappers
+
+
 @dataclass
 class _Entry:
     set_id: int
     group: tuple[int | None, str]  # (owner uid, group)
+    area: _Area
+    offset: int
     page: ControlPage
     aborted: bool = False
+    evicted_from: set[int] = field(default_factory=set)  # live pids still handed it when it was evicted
 
 
 class Pages:
-    """Every control page this daemon run made, by buffer set id."""
+    """Every control page this daemon run placed, by buffer set id, and the areas holding them."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.instance = new_instance_id()  # announced in hello; written into every page
         self.enabled = enabled
         self._pages: dict[int, _Entry] = {}
-        self._refused: dict[int, str] = {}  # set id -> why its page could not be made: warned once
+        self._areas: dict[int, _Area] = {}
+        self._area_ids = itertools.count(1)
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
-    # ------------------------------------------------------------ the fd channel
+    # ------------------------------------------------------------ placing, and the fd channel
+
+    def place(self, bset: BufferSet) -> list[int] | None:
+        """A zeroed page for ``bset``, whose handles go out now: ``[area id, offset, generation]``
+        for the join reply, or None (its ranks agree through messages)."""
+        if not self.enabled:
+            return None
+        size = page_bytes(bset.npes)
+        try:
+            area = self._room(bset.owner_uid, size)
+        except (PageError, OSError) as err:
+            log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
+            return None
+        offset = area.free.pop()
+        page = area.area.page_at(offset, size)
+        page.format(bset.npes, self.instance, bset.id)
+        area.mappers.update(s.pid for s in bset.slots.values())
+        self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), area, offset, page)
+        return [area.id, offset, bset.id]
+
+    def _room(self, owner: int | None, size: int) -> _Area:
+        """An area of ``owner``'s pages of ``size`` bytes with a free slot, made where none has one."""
+        for area in self._areas.values():
+            if area.owner == owner and area.page_size == size and area.free:
+                return area
+        area = _Area(next(self._area_ids), owner, size, Area.create(size),
+                     free=list(range(size * (AREA_PAGES - 1), -1, -size)))
+        self._areas[area.id] = area
+        log.info("control page area %d made for uid %s: %d pages of %d bytes", area.id, owner, AREA_PAGES, size)
+        return area
 
     @staticmethod
     def split_request(request: Any) -> tuple[bool, Any]:
@@ -82,22 +158,15 @@ class Pages:
         return False, request
 
     def handout(self, bset: BufferSet) -> tuple[list[bytes], list[int]]:
-        """The fd channel's answer for the page of ``bset``, a set whose handles went out."""
+        """The fd channel's answer for the page of ``bset``, a set whose handles went out: its area."""
         if not self.enabled:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "this daemon runs with --control-pages false: "
                                 "groups agree through its messages")
         entry = self._pages.get(bset.id)
-        if entry is None and bset.id not in self._refused:
-            try:
-                page = ControlPage.create(bset.npes, self.instance, bset.id)
-                entry = self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), page)
-            except (PageError, OSError) as err:
-                self._refused[bset.id] = str(err)
-                log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
         if entry is None:
-            why = self._refused[bset.id]
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"no control page for {bset.label}: {why}")
-        return list(PAGE_HANDLES), [entry.page.fd, self._alive_r]
+            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"{bset.label} has no control page (the daemon could "
+                                "not make one: its log says why): its ranks agree through messages")
+        return list(PAGE_HANDLES), [entry.area.area.fd, self._alive_r]
 
     # ------------------------------------------------------------ hooks of the set's life
 
@@ -114,30 +183,68 @@ class Pages:
                 self._abort(set_id, AbortCode.SET_FAILED, reason)
 
     def evicted(self, bset: BufferSet) -> None:
-        """Called before an evicted set's memory is freed: no kernel may touch it after."""
-        self._abort(bset.id, AbortCode.EVICTED, f"{bset.label} was evicted by an administrator")
+        """Called before an evicted set's memory is freed: no kernel may touch it after, and its
+        slot waits for its processes. See Note [A slot outlives its evicted set]."""
+        entry = self._pages.get(bset.id)
+        if entry is not None:
+            self._abort_entry(entry, AbortCode.EVICTED, f"{bset.label} was evicted by an administrator")
+            entry.evicted_from = {s.pid for s in bset.slots.values()} & entry.area.mappers
 
     def set_freed(self, bset: BufferSet) -> None:
-        self._refused.pop(bset.id, None)
         entry = self._pages.pop(bset.id, None)
-        if entry is not None:
-            self._abort_entry(entry, AbortCode.SET_FAILED, f"{bset.label} was freed")
-            entry.page.close()
+        if entry is None:
+            return
+        self._abort_entry(entry, AbortCode.SET_FAILED, f"{bset.label} was freed")
+        area = entry.area
+        if entry.evicted_from:
+            area.retired[entry.offset] = entry.evicted_from
+            log.info("the control page of set %d stays retired until pids %s exit", entry.set_id,
+                     sorted(entry.evicted_from))
+        else:
+            area.free.append(entry.offset)
+        self._close_if_idle(area)
+
+    def process_gone(self, pid: int) -> None:
+        """A process exited, and its mappings with it: the slots and areas it kept may go."""
+        for area in list(self._areas.values()):
+            area.mappers.discard(pid)
+            for offset, pids in list(area.retired.items()):
+                pids.discard(pid)
+                if not pids:
+                    del area.retired[offset]
+                    area.free.append(offset)
+                    log.info("control page at offset %d of area %d is free again: every process its evicted set "
+                             "was handed to exited", offset, area.id)
+            self._close_if_idle(area)
+
+    def _close_if_idle(self, area: _Area) -> None:
+        if area.idle:
+            del self._areas[area.id]
+            area.area.close()
+            log.info("control page area %d of uid %s closed: every page free, every process gone", area.id,
+                     area.owner)
 
     def shutdown(self) -> None:
-        """Abort and close every page; members see the alive pipe close too."""
+        """Abort every page and close every area; members see the alive pipe close too."""
         for entry in self._pages.values():
             self._abort_entry(entry, AbortCode.SHUTDOWN, "the peerd daemon is shutting down")
-            entry.page.close()
+        for area in self._areas.values():
+            area.area.close()
         self._pages.clear()
-        self._refused.clear()
+        self._areas.clear()
         for fd in (self._alive_r, self._alive_w):
             if fd >= 0:
                 os.close(fd)
         self._alive_r = self._alive_w = -1
 
     def __len__(self) -> int:
+        """Sets holding a page."""
         return len(self._pages)
+
+    @property
+    def areas(self) -> int:
+        """Areas open now."""
+        return len(self._areas)
 
     def _abort(self, set_id: int, code: AbortCode, reason: str) -> None:
         entry = self._pages.get(set_id)
@@ -154,6 +261,12 @@ class Pages:
 
 class NoPages:
     """The hooks where a registry runs without pages (the unit tests of the rules)."""
+
+    def place(self, bset: BufferSet) -> None:
+        return None
+
+    def process_gone(self, pid: int) -> None:
+        pass
 
     def hold_dropped(self, bset: BufferSet, slot: Slot, why: str) -> None:
         pass

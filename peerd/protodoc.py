@@ -39,9 +39,10 @@ the SOCK_SEQPACKET socket `<socket path>.fd` and sends one request, `{{group, na
 daemon checks the caller's kernel credentials (SO_PEERCRED) and that it holds that rank, then
 answers `{{ok: true, handles}}` with the set's fds in rank order (SCM_RIGHTS, several messages when
 there are many), or `{{ok: false, code, message}}`, and closes (peerd/fdchannel.py).
-`{{group, name, rank, page: true}}` asks instead, on every backend, for the set's control page and
-the read end of the daemon's alive pipe (peerd/pages.py, peerd/controlpage.py); hello's `instance`
-names the daemon run the page must come from.
+`{{group, name, rank, page: true}}` asks instead, on every backend, for the fd of the area holding
+the set's control page (the join reply's `page`: [area id, offset, generation]) and the read end of
+the daemon's alive pipe (peerd/pages.py, peerd/controlpage.py); a process asks once per area, which
+it keeps mapped for its life. hello's `instance` names the daemon run the page must come from.
 
 ## The life of a buffer set
 
@@ -63,7 +64,7 @@ def _fields(fields: dict[str, Field], requests: bool) -> list[str]:
         return ["(empty map)"]
     rows = []
     for name, field in fields.items():
-        default = "" if not requests or field.required else f" (default {field.default!r})"
+        default = "" if field.required else f" (default {field.default!r})" if requests else " (may be absent)"
         rows.append(f"- `{name}`: {type_name(field.kind)}{default}")
     return rows
 

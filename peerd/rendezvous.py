@@ -61,7 +61,7 @@ class Rendezvous:
 
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
                  pages: NoPages | Pages = NoPages()):
-        self.pages = pages  # the control pages: told when a member leaves, a set fails or is freed
+        self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._allocate = allocate
         self._free = free
         self._handed = handed
@@ -202,6 +202,9 @@ class Rendezvous:
             "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
         }
+        page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages
+        if page is not None:
+            body["page"] = page
         self._handed([s.allocation for s in slots], [s.pid for s in slots])
         log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)
         out = []

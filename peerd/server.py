@@ -94,7 +94,7 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
-        self.pages = Pages(settings.control_pages)  # one control page per live set (peerd.pages)
+        self.pages = Pages(settings.control_pages)  # a control page per live set, in per-uid areas (peerd.pages)
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages,
@@ -281,6 +281,7 @@ class Daemon:
         for pid in [self._watcher.died(fd) for fd in readable] + self._watcher.sweep():
             out += self.registry.process_died(pid, now)
             self.backend.process_gone(pid)
+            self.pages.process_gone(pid)
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
         self._fd_channel.serve(events, now)

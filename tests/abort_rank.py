@@ -3,8 +3,9 @@
     python tests/abort_rank.py --rank R --npes N --group G [--page-fd FD] --role waiter|holder [--deadline S] [--graph]
 
 Every rank builds a PeerBuffer of ``--group`` on cuda:0 and makes three
-checked all-reduces polling an abort word: the page of ``--page-fd``, mapped
-for the GPU (peerd_client.hostmap.MappedPage), where the test plays the
+checked all-reduces polling an abort word: the page of ``--page-fd`` (the
+one slot of its area), mapped for the GPU (peerd_client.hostmap.MappedArea
+and MappedPage), where the test plays the
 daemon; else the buffer's own control page, which the daemon aborts
 (``buf.abort_source``; a ``--wired`` line reports its ``abort_address``). Then a ``holder`` prints {"holding": true} and sleeps (the test
 kills it, stops it, or leaves it be); a ``waiter`` prints {"calling": true}
@@ -40,15 +41,16 @@ def main() -> None:
 
     import torch
 
-    from peerd.controlpage import ControlPage
+    from peerd.controlpage import Area
     from peerd_client import PeerBuffer
     from peerd_client.allreduce import all_reduce, raise_for_status
-    from peerd_client.hostmap import MappedPage
+    from peerd_client.hostmap import MappedArea, MappedPage
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    page = ControlPage.attach(args.page_fd, npes=args.npes) if args.page_fd is not None else None
-    mapped = MappedPage(page, device) if page is not None else None
+    area = Area.attach(args.page_fd) if args.page_fd is not None else None
+    page = area.page(0, args.npes) if area is not None else None
+    mapped = MappedPage(page, MappedArea(area.address, area.size), device) if page is not None else None
     buf = PeerBuffer(1 << 20, args.group, args.rank, args.npes, device)
     if mapped is None:
         mapped = buf.abort_source
@@ -89,9 +91,6 @@ def main() -> None:
     y = torch.ones(4096, device=device)
     after["sum"] = float(all_reduce(again, y)[0].item())
     again.close()
-    if page is not None:
-        mapped.close()
-        page.close()
     say(raised=raised, after=after)
 
 

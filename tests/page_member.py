@@ -1,16 +1,20 @@
 """One member of a group with a control page, driven line by line by an integration test.
 
-    python tests/page_member.py --group G --rank R --npes N [--name NAME] [--no-map | --no-voter]
+    python tests/page_member.py --group G --rank R --npes N [--name NAME] [--no-map | --no-voter] [--as-user U:G:GIDS]
 
-Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool}, then
-answers each command read from stdin with one JSON line:
+Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool, "where": ...}
+("where": see ``where``), then answers each command read from stdin with one JSON line:
 
-    agree [RANK NPES]   tp_agree(True) (as RANK of NPES where given)
+    agree [RANK NPES]   tp_agree(True) in the buffer's group (as RANK of NPES where given)
+    refuse              tp_agree(False) in the buffer's group
     check               buf.check()
-    garbage             overwrite this member's mapping of the page with random bytes
+    where               where the buffer's page is: see ``where``
+    garbage             overwrite this member's mapping of its page's WHOLE area with random bytes
     reduce              all_reduce(buf, ones) on the host, polling the buffer's page: the sum
-    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf
+    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf (close buf first)
     close               buf.close()
+
+Every fd-channel request for a page area is counted (``page_fetches``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ def answer(step) -> dict:
         return {"ok": False, "type": type(err).__name__, "code": getattr(err, "code", None), "message": str(err)}
 
 
+def link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # the fd listdir itself used, closed by now
+        return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--group", required=True)
@@ -39,47 +50,77 @@ def main() -> None:
     parser.add_argument("--no-map", action="store_true", help="this rank cannot map the page (mmap refused)")
     parser.add_argument("--no-voter", action="store_true", help="this rank's peerd was installed without a C "
                         "compiler: no compiled voter")
+    parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it before any call")
     args = parser.parse_args()
     if args.no_voter:
         sys.modules["peerd._pagevote"] = None  # what importing an extension that was never built raises
+    import peerd_client.pagelink as pagelink
+
     if args.no_map:
-        import peerd_client.pagelink
         from peerd.controlpage import PageError
 
-        def refused(fd, **_):
+        def refused(fd):
             os.close(fd)
-            raise PageError("mmap of the control page failed: Cannot allocate memory")
+            raise PageError("mmap of the control page area failed: Cannot allocate memory")
 
-        peerd_client.pagelink.ControlPage.attach = refused
+        pagelink.Area.attach = refused
+    fetches = []
+    fetch = pagelink.fetch_fds
+    pagelink.fetch_fds = lambda path, slot, *a, **kw: fetches.append(slot) or fetch(path, slot, *a, **kw)
 
     import torch
 
     from peerd_client import PeerBuffer, tp_agree
     from peerd_client.allreduce import all_reduce
 
+    if args.as_user:
+        from rank import become  # tests/rank.py, beside this script
+
+        become(args.as_user)
     buf = PeerBuffer(1 << 16, args.group, args.rank, args.npes, name=args.name, timeout=30)
-    print(json.dumps({"ready": True, "page": buf.abort_address != 0}), flush=True)
+    group = args.group
+
+    def where() -> dict | None:
+        """The page's area (its memfd's inode, from /proc/self/maps) and offset in it; the page fetches
+        so far; the control page fds this process holds."""
+        page = buf._link.page if buf._link is not None else None
+        held = [fd for fd in os.listdir("/proc/self/fd") if "controlpage" in link(f"/proc/self/fd/{fd}")]
+        found = {"page_fetches": len(fetches), "fds": len(held)}
+        for area in (h.area for h in pagelink._areas.values()):
+            if page is not None and area.address <= page.address < area.address + area.size:
+                start = f"{area.address:x}-"
+                with open("/proc/self/maps") as maps:
+                    inode = next(int(line.split()[4]) for line in maps if line.startswith(start))
+                found.update(inode=inode, offset=page.address - area.address)
+        return found
+
+    print(json.dumps({"ready": True, "page": buf.abort_address != 0, "where": where()}), flush=True)
 
     def reduce() -> float:
         return float(all_reduce(buf, torch.ones(256), timeout=30)[0])
 
-    def fresh(group: str, rank: str, npes: str) -> bool:
-        nonlocal buf
-        buf = PeerBuffer(1 << 16, group, int(rank), int(npes), timeout=30)
+    def fresh(new_group: str, rank: str, npes: str) -> bool:
+        nonlocal buf, group
+        buf, group = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30), new_group
         return buf.abort_address != 0
 
     def garbage() -> int:
-        page = buf.abort_source
-        ctypes.memmove(page.address, os.urandom(page.size), page.size)
-        return page.size
+        areas = [h.area for h in pagelink._areas.values()]
+        for area in areas:
+            ctypes.memmove(area.address, os.urandom(area.size), area.size)
+        return sum(area.size for area in areas)
 
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "agree":
             rank, npes = (int(rest[0]), int(rest[1])) if rest else (None, None)
-            reply = answer(lambda: tp_agree(True, args.group, rank, npes, timeout=args.timeout))
+            reply = answer(lambda: tp_agree(True, group, rank, npes, timeout=args.timeout))
+        elif command == "refuse":
+            reply = answer(lambda: tp_agree(False, group, timeout=args.timeout))
         elif command == "check":
             reply = answer(buf.check)
+        elif command == "where":
+            reply = answer(where)
         elif command == "garbage":
             reply = answer(garbage)
         elif command == "reduce":

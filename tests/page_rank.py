@@ -37,7 +37,7 @@ def say(**fields) -> None:
 
 
 def main() -> None:
-    from peerd.controlpage import ControlPage
+    from peerd.controlpage import Area
     from peerd.pageagree import PageVoter
 
     parser = argparse.ArgumentParser()
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--report", type=lambda v: {int(x) for x in v.split(",") if x}, default=set())
     parser.add_argument("--jitter", type=int, default=None)
     args = parser.parse_args()
-    page = ControlPage.attach(args.fd, npes=args.npes, instance=args.instance)
+    page = Area.attach(args.fd).page(0, args.npes, instance=args.instance)
     voter = PageVoter(page, args.rank, label="group=test")
     failures, verdicts = [], []
     jitter = random.Random(args.jitter * 1000 + args.rank) if args.jitter is not None else None

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from peerd.controlpage import AbortCode, ControlPage, new_instance_id
+from peerd.controlpage import AbortCode, new_instance_id
 from tests.gpu.test_cuda import REASON, cuda_daemon  # noqa: F401 (the fixture)
 from tests.integration.test_controlpage_agree import abort_from_another_process
+from tests.pagekit import OwnPage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 RANK = str(Path(__file__).resolve().parents[1] / "abort_rank.py")
 
 
-def start(daemon, page: ControlPage | None, group: str, npes: int, *args: str) -> list[subprocess.Popen]:
+def start(daemon, page: OwnPage | None, group: str, npes: int, *args: str) -> list[subprocess.Popen]:
     """Ranks 0..npes-2 wait in the kernel, rank npes-1 holds back; without ``page``, each
     polls its buffer's own control page (the wired path), which it announces first."""
     fd = ("--page-fd", str(page.fd)) if page is not None else ()
@@ -70,7 +71,7 @@ def check_waiters(waiters, raised: str, reason: str) -> None:
 @pytest.mark.parametrize("npes", [2, 4, 8])
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph-replay"])
 def test_a_killed_rank_and_the_abort_stop_every_peer_kernel(cuda_daemon, npes, graph):  # noqa: F811
-    with ControlPage.create(npes, new_instance_id()) as page:
+    with OwnPage(npes, new_instance_id()) as page:
         procs = start(cuda_daemon, page, f"abort{npes}{'g' if graph else ''}", npes, *(["--graph"] if graph else []))
         *waiters, holder = procs
         announced(holder, "holding")
@@ -83,7 +84,7 @@ def test_a_killed_rank_and_the_abort_stop_every_peer_kernel(cuda_daemon, npes, g
 
 
 def test_an_abort_stops_the_kernels_while_every_process_lives(cuda_daemon):  # noqa: F811
-    with ControlPage.create(4, new_instance_id()) as page:
+    with OwnPage(4, new_instance_id()) as page:
         *waiters, holder = start(cuda_daemon, page, "abort-live", 4)
         announced(holder, "holding")
         for p in waiters:
@@ -97,7 +98,7 @@ def test_an_abort_stops_the_kernels_while_every_process_lives(cuda_daemon):  # n
 @pytest.mark.parametrize("wired", [False, True], ids=["explicit-page", "daemon-page"])
 def test_a_stopped_rank_makes_its_peers_time_out_at_their_deadline(cuda_daemon, wired):  # noqa: F811
     """SIGSTOP is no death: nothing aborts, so the all-reduce's deadline is what ends the peers' wait."""
-    with contextlib.nullcontext() if wired else ControlPage.create(3, new_instance_id()) as page:
+    with contextlib.nullcontext() if wired else OwnPage(3, new_instance_id()) as page:
         *waiters, holder = start(cuda_daemon, page, "wired-stop" if wired else "abort-stop", 3, "--deadline", "2")
         announced(holder, "holding")
         holder.send_signal(signal.SIGSTOP)

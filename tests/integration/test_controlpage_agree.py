@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerd.controlpage import AbortCode, ControlPage, new_instance_id
+from peerd.controlpage import AbortCode, new_instance_id
 from peerd_client.allreduce import Layout, all_reduce
 from peerd_client.errors import MonoUnsupported
 from tests.integration.test_allreduce import fake_buffers
+from tests.pagekit import OwnPage
 
 RANK = str(Path(__file__).resolve().parents[1] / "page_rank.py")
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -29,8 +30,8 @@ ROOT = str(Path(__file__).resolve().parents[2])
 def page_of():
     pages = []
 
-    def make(npes: int) -> ControlPage:
-        pages.append(ControlPage.create(npes, new_instance_id(), generation=1))
+    def make(npes: int) -> OwnPage:
+        pages.append(OwnPage(npes, new_instance_id(), generation=1))
         return pages[-1]
 
     yield make
@@ -38,7 +39,7 @@ def page_of():
         p.close()
 
 
-def start(page: ControlPage, rank: int, *args: str) -> subprocess.Popen:
+def start(page: OwnPage, rank: int, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, RANK, "--fd", str(page.fd), "--rank", str(rank), "--npes", str(page.npes),
          "--instance", hex(page.instance), *args],
@@ -66,12 +67,12 @@ def word(address: int) -> int:
     return ctypes.c_int64.from_address(address).value
 
 
-def abort_from_another_process(page: ControlPage, code: AbortCode, reason: str) -> None:
-    """What the daemon does: map the page from its fd and write the abort."""
+def abort_from_another_process(page: OwnPage, code: AbortCode, reason: str) -> None:
+    """What the daemon does: map the page's area from its fd and write the abort."""
     subprocess.run(
-        [sys.executable, "-c", "import sys; from peerd.controlpage import ControlPage; "
-         "ControlPage.attach(int(sys.argv[1])).abort(int(sys.argv[2]), sys.argv[3])",
-         str(page.fd), str(int(code)), reason],
+        [sys.executable, "-c", "import sys; from peerd.controlpage import Area; "
+         "Area.attach(int(sys.argv[1])).page(0, int(sys.argv[2])).abort(int(sys.argv[3]), sys.argv[4])",
+         str(page.fd), str(page.npes), str(int(code)), reason],
         pass_fds=(page.fd,), check=True, cwd=ROOT, timeout=60,
     )
 

@@ -1,10 +1,12 @@
 """The control page wired end to end: a real daemon, real member processes (tests/page_member.py).
 
 Every group whose ranks all mapped the page agrees on it and hears aborts
-there; a daemon without pages (or a rank that cannot map one) leaves the
-group on the message path with one WARNING; an eviction aborts before it
-frees; a restarted daemon never lets an old set's round pass; one member's
-garbage reaches only its own group.
+there; a process asks for each page area once and holds no fd of it; a
+freed slot comes back zeroed, an evicted one only once its holders exited;
+a daemon without pages (or a rank that cannot map one) leaves the group on
+the message path with one WARNING; an eviction aborts before it frees; a
+restarted daemon never lets an old set's round pass; another uid never gets
+a uid's area, and one member's garbage reaches no other uid's group.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from peerd.controlpage import MEMFD_NAME
-from tests.conftest import wait_until
+from tests.conftest import Daemon, wait_until
+from tests.integration.test_arenas import SOCKET_GROUP, USER_A, USER_B, users  # noqa: F401 (the fixture)
 
 MEMBER = Path(__file__).resolve().parents[1] / "page_member.py"
 
@@ -54,7 +57,7 @@ def group_of(daemon, group: str, npes: int, *args: str) -> list[Member]:
     ready = [m.read() for m in members]
     assert all(r["ready"] for r in ready), ready
     for m, r in zip(members, ready):
-        m.page = r["page"]
+        m.page, m.where = r["page"], r["where"]
     return members
 
 
@@ -66,7 +69,7 @@ def ask_all(members: list[Member], command: str) -> list[dict]:
 
 
 def pages_held(pid: int) -> int:
-    """Control pages process ``pid`` holds open."""
+    """Control page areas process ``pid`` holds open as fds."""
     fds = Path(f"/proc/{pid}/fd")
     return sum(os.readlink(fds / fd).startswith(f"/memfd:{MEMFD_NAME}") for fd in os.listdir(fds))
 
@@ -141,16 +144,89 @@ def test_after_a_daemon_restart_a_vote_is_false_or_unavailable_never_true(daemon
         m.end()
 
 
-def test_garbage_in_one_groups_page_leaves_another_group_alone(daemon):
-    spoiled, healthy = group_of(daemon, "spoiled", 2, "--timeout", "1"), group_of(daemon, "healthy", 2)
-    assert spoiled[0].ask("garbage")["ok"]
-    for reply in ask_all(spoiled, "agree"):
-        assert reply["ok"] or reply["type"] == "MonoUnsupported", reply  # a verdict or a refusal, no crash or hang
-    assert [r["value"] for r in ask_all(healthy, "agree")] == [True, True]
-    assert [r["ok"] for r in ask_all(healthy, "check")] == [True, True]
-    for m in spoiled + healthy:
+def test_a_second_buffer_of_a_process_needs_no_page_request_and_a_freed_slot_comes_back_zeroed(daemon):
+    members = group_of(daemon, "first", 2)
+    assert [m.where["page_fetches"] for m in members] == [1, 1] and [m.where["fds"] for m in members] == [0, 0]
+    assert pages_held(members[0].proc.pid) == 0, "the mapping keeps the area: no fd is held"
+    assert [r["value"] for r in ask_all(members, "refuse")] == [False, False]  # round 1 settled: VOTED_NO
+    first = members[0].where
+    assert [r["ok"] for r in ask_all(members, "close")] == [True, True]
+    for rank, m in enumerate(members):  # collective: every rank starts before any reads
+        m.proc.stdin.write(f"fresh second {rank} 2\n")
+        m.proc.stdin.flush()
+    assert [m.read()["value"] for m in members] == [True, True], "the new set has its page"
+    second = [r["value"] for r in ask_all(members, "where")]
+    assert all((w["inode"], w["offset"], w["page_fetches"]) == (first["inode"], first["offset"], 1) for w in second), \
+        (first, second)  # the freed slot, reused, and no fd-channel request for it
+    assert [r["value"] for r in ask_all(members, "agree")] == [True, True], "round 1 of a zeroed page, not the old"
+    victim = members[1]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait()
+    assert "MEMBER_DIED" in aborted(members[0])["message"], "the second buffer hears its aborts"
+    members[0].end()
+
+
+def test_an_evicted_sets_slot_is_reused_only_once_its_holders_exited(daemon):
+    evicted = group_of(daemon, "evicted-slot", 2)
+    assert daemon.cli("evict", "evicted-slot", "--yes").returncode == 0
+    for m in evicted:
+        assert "EVICTED" in aborted(m)["message"]
+    meanwhile = group_of(daemon, "meanwhile", 2)
+    assert meanwhile[0].where["inode"] == evicted[0].where["inode"], "one uid, one page size: one area"
+    assert meanwhile[0].where["offset"] != evicted[0].where["offset"], "its holders live: the slot is not reused"
+    assert [r["value"] for r in ask_all(meanwhile, "agree")] == [True, True]
+    for m in evicted:
         m.end()
-    assert daemon.proc.poll() is None
+    wait_until(lambda: "is free again: every process its evicted set was handed to exited" in daemon.logs(), 10,
+               "the daemon to see the evicted set's holders exit")
+    after = group_of(daemon, "after", 2)
+    assert after[0].where["offset"] == evicted[0].where["offset"], "its holders exited: the slot is free"
+    assert [r["value"] for r in ask_all(after, "agree")] == [True, True]
+    assert [r["ok"] for r in ask_all(after, "check")] == [True, True], "a zeroed page: no EVICTED abort left"
+    for m in meanwhile + after:
+        m.end()
+
+
+def shared_daemon(socket_dir: str) -> Daemon:
+    """A daemon on a socket the socket group's users reach."""
+    os.chmod(socket_dir, 0o755)
+    return Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log",
+                  args=("--socket-group", SOCKET_GROUP)).start()
+
+
+def test_another_uid_never_gets_the_first_uids_area(socket_dir, users):  # noqa: F811
+    d = shared_daemon(socket_dir)
+    try:
+        mine = group_of(d, "mine", 2, "--as-user", users[USER_A])
+        theirs = group_of(d, "mine", 2, "--as-user", users[USER_B])
+        assert {m.where["inode"] for m in mine} != {m.where["inode"] for m in theirs}
+        assert len({m.where["inode"] for m in mine + theirs}) == 2, "one area per uid"
+        assert pages_held(d.proc.pid) == 2
+        for m in mine + theirs:
+            m.end()
+        wait_until(lambda: pages_held(d.proc.pid) == 0, 10, "the daemon to close both areas")
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
+def test_garbage_over_a_members_whole_area_leaves_another_uids_group_alone(socket_dir, users):  # noqa: F811
+    """A member maps its uid's whole area, so its garbage reaches every group of its own uid placed
+    there (the trust of docs/security.md); a group of another uid is in another area, untouched, and
+    the daemon, which never reads a page, survives."""
+    d = shared_daemon(socket_dir)
+    try:
+        spoiled = group_of(d, "spoiled", 2, "--timeout", "1", "--as-user", users[USER_A])
+        healthy = group_of(d, "healthy", 2, "--as-user", users[USER_B])
+        assert spoiled[0].ask("garbage")["value"] >= spoiled[0].where["offset"] + 4096
+        for reply in ask_all(spoiled, "agree"):
+            assert reply["ok"] or reply["type"] == "MonoUnsupported", reply  # a verdict or a refusal, no crash or hang
+        assert [r["value"] for r in ask_all(healthy, "agree")] == [True, True]
+        assert [r["ok"] for r in ask_all(healthy, "check")] == [True, True]
+        for m in spoiled + healthy:
+            m.end()
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0, d.logs()
 
 
 def test_a_vote_with_another_rank_or_npes_than_the_groups_is_refused(daemon):
@@ -164,7 +240,7 @@ def test_a_vote_with_another_rank_or_npes_than_the_groups_is_refused(daemon):
 
 
 @pytest.mark.parametrize("npes", [2, 4])
-def test_a_member_that_leaves_aborts_its_peers_and_its_page_is_closed(daemon, npes):
+def test_a_member_that_leaves_aborts_its_peers_and_the_area_is_closed_once_they_exit(daemon, npes):
     members = group_of(daemon, f"leaving-{npes}", npes)
     assert members[0].ask("close")["ok"]
     for m in members[1:]:
@@ -174,7 +250,7 @@ def test_a_member_that_leaves_aborts_its_peers_and_its_page_is_closed(daemon, np
     for m in members:
         m.end()
     wait_until(lambda: daemon.segments() == [] and pages_held(daemon.proc.pid) == 0, 10,
-               "the daemon to free the set and close its page")
+               "the daemon to free the set and close its area")
 
 
 def test_a_rank_killed_while_its_peers_wait_in_the_host_all_reduce_makes_them_raise_then_a_new_set_works(daemon):

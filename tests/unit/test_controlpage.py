@@ -14,16 +14,17 @@ import time
 import pytest
 
 from peerd import controlpage as cp
-from peerd.controlpage import AbortCode, ControlPage, GroupAborted, Outcome, PageError, StaleInstance
+from peerd.controlpage import AbortCode, Area, ControlPage, GroupAborted, Outcome, PageError, StaleInstance
 from peerd.pageagree import PageVoter
+from tests.pagekit import OwnPage
 
 
 @pytest.fixture
 def pages():
     made = []
 
-    def make(npes: int, instance: int = 0x1234) -> ControlPage:
-        made.append(ControlPage.create(npes, instance, generation=7))
+    def make(npes: int, instance: int = 0x1234) -> OwnPage:
+        made.append(OwnPage(npes, instance, generation=7))
         return made[-1]
 
     yield make
@@ -31,9 +32,9 @@ def pages():
         p.close()
 
 
-def twin(page: ControlPage) -> ControlPage:
+def twin(page: OwnPage) -> ControlPage:
     """The same page mapped a second time, as another member maps it."""
-    return ControlPage.attach(os.dup(page.fd), npes=page.npes, instance=page.instance)
+    return page.twin()
 
 
 @pytest.mark.parametrize("npes", [1, 2, 8, 63, 1024])
@@ -50,27 +51,48 @@ def test_every_field_has_its_own_place_and_every_slot_its_own_cache_line(npes):
     assert cp.page_bytes(npes) >= ends[-1][1] and cp.page_bytes(npes) % os.sysconf("SC_PAGE_SIZE") == 0
 
 
-def test_the_header_says_what_made_the_page_and_attach_checks_it(pages):
+def test_the_header_says_what_made_the_page_and_a_member_checks_it(pages):
     page = pages(4, instance=0xABCDEF)
     other = twin(page)
     assert (other.version, other.instance, other.npes, other.generation) == (cp.VERSION, 0xABCDEF, 4, 7)
+    area = page.area
     with pytest.raises(PageError, match="npes=4, this group has npes=2"):
-        ControlPage.attach(os.dup(page.fd), npes=2)
+        area.page(0, 2)
     with pytest.raises(PageError, match="set generation 7, not 8"):
-        ControlPage.attach(os.dup(page.fd), generation=8)
+        area.page(0, 4, generation=8)
     with pytest.raises(StaleInstance, match="daemon instance 0xabcdef, but the daemon now is instance 0x1"):
-        ControlPage.attach(os.dup(page.fd), instance=1)
+        area.page(0, 4, instance=1)
+    with pytest.raises(PageError, match="not inside the"):
+        area.page(cp.page_bytes(4), 4)
     fd = os.memfd_create("not-a-page")
     os.ftruncate(fd, 4096)
-    with pytest.raises(PageError, match=f"not a version-{cp.VERSION} control page"):
-        ControlPage.attach(fd)
-    other.close()
+    stranger = Area.attach(fd)
+    with pytest.raises(PageError, match=f"holds no version-{cp.VERSION} control page"):
+        stranger.page(0, 1)
+    stranger.close()
 
 
-def test_no_member_can_resize_the_page(pages):
+def test_an_area_holds_its_pages_apart_and_a_member_holds_no_fd_of_it():
+    size = cp.page_bytes(2)
+    area = Area.create(size, slots=3)
+    member = Area.attach(os.dup(area.fd))
+    assert member.fd == -1 and area.size == member.size == 3 * size
+    for k in range(3):
+        area.page_at(k * size, size).format(2, 0x99, generation=k)
+    seen = [member.page(k * size, 2, instance=0x99, generation=k) for k in range(3)]
+    seen[1].abort(AbortCode.EVICTED, "only set 1")
+    assert [p.aborted() is not None for p in seen] == [False, True, False]
+    area.page_at(size, size).format(2, 0x99, generation=3)  # the slot reused: zeroed, a fresh header
+    fresh = member.page(size, 2, instance=0x99, generation=3)
+    assert fresh.aborted() is None and fresh.unmapped() == [0, 1]
+    member.close()
+    area.close()
+
+
+def test_no_member_can_resize_the_area(pages):
     page = pages(2)
     with pytest.raises(PermissionError):
-        os.ftruncate(page.fd, 0)  # a shrunk page would SIGBUS every process that maps it
+        os.ftruncate(page.fd, 0)  # a shrunk area would SIGBUS every process that maps it
     assert fcntl.fcntl(page.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
 
 
@@ -105,7 +127,6 @@ def test_an_abort_carries_its_whole_reason_and_check_raises_it(pages):
     assert other.aborted().reason.endswith("é" * 127)
     ctypes.memmove(page.address + cp.OFF_REASON, b"garbage", 7)  # a racing second abort's text
     assert "its reason was overwritten" in other.aborted().reason
-    other.close()
 
 
 def test_a_timed_out_round_is_false_for_the_late_rank_and_the_next_round_agrees(pages):

@@ -7,11 +7,12 @@ import os
 
 import pytest
 
-from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
+from peerd import controlpage as cp
+from peerd.controlpage import AREA_PAGES, PAGE_HANDLES, AbortCode, Area, ControlPage, PageError
 from peerd.pages import LEAVE_GRACE_S, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
-from tests.unit.test_groups import FakeMemory, join, live_set, release
+from tests.unit.test_groups import FakeMemory, bodies, commit, join, release, who
 
 
 @pytest.fixture
@@ -31,25 +32,62 @@ def reg(mem, pages):
     return Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10, pages=pages)
 
 
-def member_view(pages, bset) -> ControlPage:
-    """The page as a member maps it: from a copy of the fd the fd channel sends (the daemon keeps its own)."""
+_mapped: list[Area] = []  # members' mappings of areas, unmapped after each test
+
+
+@pytest.fixture(autouse=True)
+def unmap_members():
+    yield
+    while _mapped:
+        _mapped.pop().close()
+
+
+def opened(reg, npes=2, pids=(100, 101), name="n", uid=None) -> tuple:
+    """A live set of group g, and where its page is: the join reply's ``page``."""
+    for r in range(npes):
+        out = reg.join(("c", r), who(pids[r], uid), {"group": "g", "name": name, "rank": r, "npes": npes,
+                                                      "nbytes": 64, "device": "d", "flags": 0, "timeout": None}, 0.0)
+    replies = list(bodies(out).values())
+    assert len(replies) == npes and all(b.get("page") == replies[0].get("page") for b in replies), replies
+    for r in range(npes):
+        reg.commit(("v", r), who(pids[r], uid), {"group": "g", "name": name, "rank": r, "ok": True, "reason": "",
+                                                 "timeout": None}, 0.0)
+    return reg.sets[(uid, "g", name)], replies[0].get("page")
+
+
+def member_view(pages, bset, location) -> ControlPage:
+    """The page as a member finds it: in its own mapping of the area the fd channel sends
+    (from a copy of the fd: the daemon keeps its own), at the join reply's offset."""
     handles, fds = pages.handout(bset)
     assert handles == PAGE_HANDLES
-    return ControlPage.attach(os.dup(fds[0]), npes=bset.npes, instance=pages.instance, generation=bset.id)
+    _mapped.append(Area.attach(os.dup(fds[0])))
+    area_id, offset, generation = location
+    return _mapped[-1].page(offset, bset.npes, instance=pages.instance, generation=generation)
 
 
-def test_one_page_per_set_made_for_this_daemon_run(reg, pages):
-    bset = live_set(reg)
-    first, second = member_view(pages, bset), member_view(pages, bset)
-    assert first.instance == pages.instance and first.generation == bset.id
-    assert pages.handout(bset)[1][0] == pages.handout(bset)[1][0] and len(pages) == 1
-    first.close()
-    second.close()
+def test_a_set_gets_a_page_of_its_uids_area_when_its_handles_go_out(reg, pages):
+    bset, location = opened(reg)
+    area_id, offset, generation = location
+    view = member_view(pages, bset, location)
+    assert (view.instance, view.npes, view.generation) == (pages.instance, 2, bset.id) and generation == bset.id
+    assert pages.handout(bset)[1][0] == pages.handout(bset)[1][0] and (len(pages), pages.areas) == (1, 1)
+    assert os.fstat(pages.handout(bset)[1][0]).st_size == AREA_PAGES * cp.page_bytes(2)
+    assert view.unmapped() == [0, 1] and view.aborted() is None, "a fresh page"
+
+
+def test_sets_of_one_uid_share_an_area_until_it_is_full_and_other_uids_get_their_own(reg, pages):
+    locations = [opened(reg, 1, pids=(100 + k,), name=f"s{k}")[1] for k in range(AREA_PAGES + 1)]
+    assert len({loc[0] for loc in locations[:AREA_PAGES]}) == 1 and locations[-1][0] != locations[0][0]
+    assert len({loc[1] for loc in locations[:AREA_PAGES]}) == AREA_PAGES, "every page its own slot"
+    wide = opened(reg, 64, pids=tuple(range(500, 564)), name="wide")[1]  # 64 ranks: two 4 KiB pages
+    assert wide[0] not in {loc[0] for loc in locations}, "a page size of its own"
+    theirs = opened(reg, 1, pids=(300,), name="s0", uid=1000)[1]
+    assert theirs[0] not in {loc[0] for loc in locations}, "another uid never shares an area"
 
 
 def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages):
-    bset = live_set(reg)
-    view = member_view(pages, bset)
+    bset, location = opened(reg)
+    view = member_view(pages, bset, location)
     seen = []
     free = mem.free
 
@@ -60,14 +98,13 @@ def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages)
     reg._sets._free = checked_free
     reg.evict("g", None)
     assert len(seen) == 2 and all(a is not None and a.code == AbortCode.EVICTED for a in seen), seen
-    assert len(pages) == 0, "the daemon closes the page of a freed set"
-    view.close()
+    assert len(pages) == 0, "the daemon lets go of the page of a freed set"
 
 
 @pytest.mark.parametrize("how, code", [("died", AbortCode.MEMBER_DIED), ("released", AbortCode.MEMBER_LEFT)])
 def test_a_member_that_dies_or_leaves_aborts_its_peers_with_the_reason(reg, pages, how, code):
-    bset = live_set(reg)
-    view = member_view(pages, bset)
+    bset, location = opened(reg)
+    view = member_view(pages, bset, location)
     if how == "died":
         reg.process_died(101, 1.0)
     else:
@@ -76,58 +113,107 @@ def test_a_member_that_dies_or_leaves_aborts_its_peers_with_the_reason(reg, page
         reg.expire(LEAVE_GRACE_S)
     aborted = view.aborted()
     assert aborted.code == code and "rank 1 (pid 101)" in aborted.reason, aborted.reason
-    view.close()
 
 
 def test_a_failed_set_of_the_group_aborts_every_page_of_the_group_and_the_first_reason_stays(reg, pages):
-    view = member_view(pages, live_set(reg))
+    view = member_view(pages, *opened(reg))
     join(reg, 0, name="other")
     join(reg, 1, name="other", nbytes=128)  # a mismatch fails the other set of the group
     aborted = view.aborted()
     assert aborted.code == AbortCode.SET_FAILED and "nbytes=128" in aborted.reason
     reg.process_died(101, 1.0)
     assert view.aborted().code == AbortCode.SET_FAILED, "the first abort's reason is the cause"
-    view.close()
 
 
-def test_shutdown_aborts_every_page_and_closes_them(reg, pages):
-    view = member_view(pages, live_set(reg))
+def test_shutdown_aborts_every_page_and_closes_the_areas(reg, pages):
+    view = member_view(pages, *opened(reg))
     pages.shutdown()
-    assert view.aborted().code == AbortCode.SHUTDOWN and len(pages) == 0
-    view.close()
+    assert view.aborted().code == AbortCode.SHUTDOWN and (len(pages), pages.areas) == (0, 0)
 
 
-def test_a_page_that_cannot_be_made_is_refused_with_one_warning(reg, pages, monkeypatch, caplog):
+def test_a_page_that_cannot_be_made_leaves_the_set_without_one_with_one_warning(reg, pages, monkeypatch, caplog):
     def no_memfd(*args, **kwargs):
         raise PageError("memfd_create failed: [Errno 24] Too many open files")
 
-    monkeypatch.setattr(ControlPage, "create", no_memfd)
-    bset = live_set(reg)
+    monkeypatch.setattr(Area, "create", no_memfd)
     with caplog.at_level(logging.WARNING, "peerd.pages"):
-        for _ in range(bset.npes):  # every rank asks; the daemon tries and warns once
-            with pytest.raises(ProtocolError) as refused:
-                pages.handout(bset)
-            assert refused.value.code is ErrorCode.ALLOCATION_FAILED and "Too many open files" in refused.value.message
-    assert len([r for r in caplog.records if "gets no control page" in r.message]) == 1
+        bset, location = opened(reg)
+    assert location is None, "the join reply names no page: the group keeps the message path"
+    assert len([r for r in caplog.records if "gets no control page" in r.message and "Too many" in r.message]) == 1
+    with pytest.raises(ProtocolError) as refused:
+        pages.handout(bset)
+    assert refused.value.code is ErrorCode.ALLOCATION_FAILED and "its log says why" in refused.value.message
 
 
-def test_a_daemon_with_pages_off_refuses_the_request_and_the_request_names_its_slot():
+def test_a_daemon_with_pages_off_places_none_refuses_the_request_and_the_request_names_its_slot():
     pages = Pages(enabled=False)
     try:
         assert pages.split_request({"group": "g", "name": "n", "rank": 0, "page": True}) == (
             True, {"group": "g", "name": "n", "rank": 0})
         assert pages.split_request({"group": "g", "name": "n", "rank": 0}) == (False, {"group": "g", "name": "n",
                                                                                         "rank": 0})
+        reg = Registry(FakeMemory().allocate, FakeMemory().free, rendezvous_timeout=10, agreement_timeout=10,
+                       pages=pages)
+        assert opened(reg)[1] is None
         with pytest.raises(ProtocolError, match="--control-pages false"):
             pages.handout(None)
     finally:
         pages.shutdown()
 
 
+def test_a_freed_slot_is_reused_zeroed(reg, pages):
+    bset, first = opened(reg)
+    view = member_view(pages, bset, first)
+    view.mark_mapped(0)
+    view.word(cp.slot_offset(1)).value = 7  # a round, as a vote leaves it
+    view.word(cp.verdict_offset(7)).value = cp.encode_verdict(7, cp.Outcome.AGREED, 1)
+    release(reg, 0)
+    release(reg, 1)
+    assert view.aborted() is not None, "freed: the old page is aborted until its slot is taken again"
+    bset, again = opened(reg)
+    assert again[:2] == first[:2] and again[2] == bset.id != first[2], "the same slot, for the new set"
+    fresh = member_view(pages, bset, again)
+    assert fresh.aborted() is None and fresh.unmapped() == [0, 1]
+    assert all(fresh.word(cp.slot_offset(r)).value == 0 for r in range(2)), "every rank's round is 0"
+    assert all(fresh.word(cp.verdict_offset(k)).value == 0 for k in range(cp.RING)), "no verdict is left"
+
+
+def test_an_evicted_sets_slot_is_not_reused_while_a_process_it_was_handed_to_lives(reg, pages):
+    """Note [A slot outlives its evicted set]."""
+    bset, evicted = opened(reg, pids=(100, 101))
+    view = member_view(pages, bset, evicted)
+    reg.evict("g", None)
+    reg.process_died(101, 1.0)  # a holder that died already waits on nothing
+    pages.process_gone(101)
+    bset, other = opened(reg, pids=(200, 201))
+    assert other[1] != evicted[1], "pid 100 lives: the slot stays retired"
+    assert view.aborted().code == AbortCode.EVICTED, "and keeps its abort"
+    for pid in (200, 201):
+        release(reg, 0 if pid == 200 else 1, pid=pid)
+    pages.process_gone(100)
+    assert view.aborted() is not None
+    bset, after = opened(reg, pids=(300, 301))
+    assert after[1] in (evicted[1], other[1]) and member_view(pages, bset, after).aborted() is None
+    taken = {after[1]}
+    bset, next_one = opened(reg, pids=(400, 401), name="m")
+    assert {next_one[1]} | taken == {evicted[1], other[1]}, "both slots are free again"
+
+
+def test_an_area_is_closed_once_every_slot_is_free_and_every_process_it_was_handed_to_exited(reg, pages):
+    bset, location = opened(reg)
+    release(reg, 0)
+    release(reg, 1)
+    assert pages.areas == 1, "its processes may map it still: the next set of theirs needs no fd"
+    pages.process_gone(100)
+    assert pages.areas == 1
+    pages.process_gone(101)
+    assert pages.areas == 0
+
+
 def test_on_the_message_path_a_vote_after_an_eviction_is_false_until_the_pid_joins_again(reg):
     from tests.unit.test_groups import agree, bodies, commit
 
-    live_set(reg)
+    opened(reg)
     for r in (0, 1):
         agree(reg, r, group="g")
     reg.evict("g", None)
@@ -146,7 +232,7 @@ def test_on_the_message_path_a_holder_that_never_voted_gets_false_after_an_evict
     """The evicted set's holders are barred too, not only the pids that had voted before it."""
     from tests.unit.test_groups import agree, bodies
 
-    live_set(reg)
+    opened(reg)
     reg.evict("g", None)
     agree(reg, 1, group="g")
     assert bodies(agree(reg, 0, group="g"))[("a", 0)]["ok"] is False
@@ -154,9 +240,8 @@ def test_on_the_message_path_a_holder_that_never_voted_gets_false_after_an_evict
 
 def test_when_every_rank_leaves_within_the_grace_nobody_hears_a_departure(reg, pages):
     """Note [A leaving rank aborts late]: the normal end of a job, every rank closing at once."""
-    view = member_view(pages, live_set(reg))
+    view = member_view(pages, *opened(reg))
     release(reg, 1)
     release(reg, 0)
     reg.expire(LEAVE_GRACE_S)
     assert view.aborted().code == AbortCode.SET_FAILED and "freed" in view.aborted().reason  # closed, not left
-    view.close()
