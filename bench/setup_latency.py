@@ -82,7 +82,7 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
             setattr(owner, name, staticmethod(step) if isinstance(owner, type) else step)
 
         timed(pagelink, "fetch_fds", "page fetched")
-        timed(pagelink.ControlPage, "attach", "page mapped")
+        timed(pagelink.Area, "attach", "page mapped")
         timed(hostmap, "MappedPage", "page registered")
         timed(pagelink, "_DaemonWatch", "daemon watched")
 

@@ -1,11 +1,13 @@
 """The group control page: agreement votes and the abort word in one shared page.
 
 The daemon keeps its pages in *areas*: one sealed memfd (no name anyone
-could guess or open) of AREA_PAGES fixed-size slots per (owner uid, page
-size), and places each set's page in a slot of its owner's area when the
-set's handles go out. A process maps each area it is given once, for its
-whole life, so only the first buffer set per area costs an fd and a
-mapping; every later one is a ``ControlPage`` view at area base + offset.
+could guess or open) of AREA_PAGES fixed-size slots per (owner uid, group,
+page size), and places each set's page in a slot of its group's area when
+the set's handles go out. A process maps each area it is given once, for
+its whole life, so only a group's first buffer set costs an fd and a
+mapping (and, on a GPU, a registration); every later one (an engine's
+signal pads, then its data buffers, or a set rebuilt after a failure) is a
+``ControlPage`` view at area base + offset.
 On a page, ``PageVoter.agree`` is tp_agree without a message to the daemon,
 and ``ControlPage.abort`` is how the daemon (or a member) fails the whole
 group at once: every waiter wakes, and kernels that poll the abort word
@@ -151,12 +153,11 @@ answer of its own group's rounds (True included, by writing a peer's slot
 or a verdict), time them out, abort the group, or (faking ``sleepers``)
 make its peers' votes pay a FUTEX_WAKE each, as a sleeper that died inside
 FUTEX_WAIT does. That is no new power: a member already maps every peer's
-buffer read-write. It maps its whole area, so it can do the same to every
-other group of its own uid whose page shares the area (the trust the
-arenas already accept: a member maps its uid's whole chunk, peers of other
-groups included; docs/security.md). It reaches no other uid's group: areas
-are per owner uid, and the fd channel hands an area only to a pid holding
-a rank of a set placed in it. The daemon never reads a page (it only
+buffer read-write. It maps its whole area, which holds the pages of its
+own group's other sets only (the same group key: their members are its
+group's). It reaches no other group: areas are per (owner uid, group), and
+the fd channel hands an area only to a pid holding a rank of a set placed
+in it. The daemon never reads a page (it only
 writes), and the area is sealed against resizing (a shrunk memfd would
 SIGBUS the daemon and the peers).
 """
@@ -181,10 +182,9 @@ MAX_NPES = 1024
 REASON_BYTES = 256
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
-#: slots per area: one fd and one mapping (and, on a GPU, one registration) serve a process's first 64 sets
-#: of one page size; an area of 8-rank pages is 256 KiB, of the largest (1024 ranks) 4.25 MiB, and tmpfs
-#: only allocates the slots that were used
-AREA_PAGES = 64
+#: slots per area: one fd and one mapping (and, on a GPU, one registration, which pins the whole area) serve
+#: the first 8 sets of a group alive at once; an area of pages for up to 48 ranks is 32 KiB
+AREA_PAGES = 8
 #: what the fd channel's page answer names its two fds: the set's area, the daemon's alive pipe (peerd.pages)
 PAGE_HANDLES = [b"control-area", b"daemon-alive"]
 #: /proc shows an area as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)

@@ -5,7 +5,7 @@ is the daemon's bookkeeping around it, kept apart from the rules of a set's
 life, which call it through these hooks:
 
 * ``place(bset)``: the set's handles go out (Rendezvous._open). Its page
-  takes a free slot of its owner's area for that page size (a new area where
+  takes a free slot of its group's area for that page size (a new area where
   none has room: AREA_PAGES slots each), zeroed and formatted then, so a
   rank that replaces a dead one starts on a fresh page with fresh rounds.
   The answer, ``[area id, offset, generation]``, goes out in the join reply;
@@ -29,9 +29,9 @@ life, which call it through these hooks:
 * ``process_gone(pid)``: a process exited; the slots and areas it kept
   from reuse or from closing may go.
 
-Areas are per (owner uid, page size): a process is handed only its own
-uid's areas, so it can touch the pages of its uid's other groups and of no
-other uid's (Note [Control page layout], Trust). An area whose slots are
+Areas are per (owner uid, group, page size): a process is handed only its
+own group's areas, so it can touch the pages of its group's other sets and
+of no other group's (Note [Control page layout], Trust). An area whose slots are
 all free and whose processes all exited is closed; a member's mapping keeps
 its memory alive anyway, so nothing is freed under anyone.
 
@@ -84,7 +84,7 @@ LEAVE_GRACE_S = 1.0
 @dataclass
 class _Area:
     id: int
-    owner: int | None  # the uid whose sets it holds
+    owner: tuple[int | None, str]  # (owner uid, group): the one group whose sets it holds
     page_size: int
     area: Area
     free: list[int]  # offsets of free slots, the lowest last (taken first)
@@ -127,7 +127,7 @@ class Pages:
             return None
         size = page_bytes(bset.npes)
         try:
-            area = self._room(bset.owner_uid, size)
+            area = self._room((bset.owner_uid, bset.group), size)
         except (PageError, OSError) as err:
             log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
             return None
@@ -138,15 +138,16 @@ class Pages:
         self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), area, offset, page)
         return [area.id, offset, bset.id]
 
-    def _room(self, owner: int | None, size: int) -> _Area:
-        """An area of ``owner``'s pages of ``size`` bytes with a free slot, made where none has one."""
+    def _room(self, owner: tuple[int | None, str], size: int) -> _Area:
+        """An area of the pages of ``owner`` (uid, group) of ``size`` bytes with a free slot, made where none has one."""
         for area in self._areas.values():
             if area.owner == owner and area.page_size == size and area.free:
                 return area
         area = _Area(next(self._area_ids), owner, size, Area.create(size),
                      free=list(range(size * (AREA_PAGES - 1), -1, -size)))
         self._areas[area.id] = area
-        log.info("control page area %d made for uid %s: %d pages of %d bytes", area.id, owner, AREA_PAGES, size)
+        log.info("control page area %d made for group %s of uid %s: %d pages of %d bytes", area.id, owner[1],
+                 owner[0], AREA_PAGES, size)
         return area
 
     @staticmethod
@@ -221,8 +222,8 @@ class Pages:
         if area.idle:
             del self._areas[area.id]
             area.area.close()
-            log.info("control page area %d of uid %s closed: every page free, every process gone", area.id,
-                     area.owner)
+            log.info("control page area %d of group %s of uid %s closed: every page free, every process gone",
+                     area.id, area.owner[1], area.owner[0])
 
     def shutdown(self) -> None:
         """Abort every page and close every area; members see the alive pipe close too."""

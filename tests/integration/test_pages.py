@@ -5,8 +5,9 @@ there; a process asks for each page area once and holds no fd of it; a
 freed slot comes back zeroed, an evicted one only once its holders exited;
 a daemon without pages (or a rank that cannot map one) leaves the group on
 the message path with one WARNING; an eviction aborts before it frees; a
-restarted daemon never lets an old set's round pass; another uid never gets
-a uid's area, and one member's garbage reaches no other uid's group.
+restarted daemon never lets an old set's round pass; another group (of
+the same uid or another) never gets a group's area, and one member's
+garbage reaches no other group.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def test_a_second_buffer_of_a_process_needs_no_page_request_and_a_freed_slot_com
     first = members[0].where
     assert [r["ok"] for r in ask_all(members, "close")] == [True, True]
     for rank, m in enumerate(members):  # collective: every rank starts before any reads
-        m.proc.stdin.write(f"fresh second {rank} 2\n")
+        m.proc.stdin.write(f"fresh first {rank} 2\n")  # the group's next set: its area is mapped
         m.proc.stdin.flush()
     assert [m.read()["value"] for m in members] == [True, True], "the new set has its page"
     second = [r["value"] for r in ask_all(members, "where")]
@@ -171,15 +172,15 @@ def test_an_evicted_sets_slot_is_reused_only_once_its_holders_exited(daemon):
     assert daemon.cli("evict", "evicted-slot", "--yes").returncode == 0
     for m in evicted:
         assert "EVICTED" in aborted(m)["message"]
-    meanwhile = group_of(daemon, "meanwhile", 2)
-    assert meanwhile[0].where["inode"] == evicted[0].where["inode"], "one uid, one page size: one area"
+    meanwhile = group_of(daemon, "evicted-slot", 2)  # new processes, the same group: its area
+    assert meanwhile[0].where["inode"] == evicted[0].where["inode"], "one group, one page size: one area"
     assert meanwhile[0].where["offset"] != evicted[0].where["offset"], "its holders live: the slot is not reused"
     assert [r["value"] for r in ask_all(meanwhile, "agree")] == [True, True]
     for m in evicted:
         m.end()
     wait_until(lambda: "is free again: every process its evicted set was handed to exited" in daemon.logs(), 10,
                "the daemon to see the evicted set's holders exit")
-    after = group_of(daemon, "after", 2)
+    after = group_of(daemon, "evicted-slot", 2, "--name", "after")
     assert after[0].where["offset"] == evicted[0].where["offset"], "its holders exited: the slot is free"
     assert [r["value"] for r in ask_all(after, "agree")] == [True, True]
     assert [r["ok"] for r in ask_all(after, "check")] == [True, True], "a zeroed page: no EVICTED abort left"
@@ -200,7 +201,7 @@ def test_another_uid_never_gets_the_first_uids_area(socket_dir, users):  # noqa:
         mine = group_of(d, "mine", 2, "--as-user", users[USER_A])
         theirs = group_of(d, "mine", 2, "--as-user", users[USER_B])
         assert {m.where["inode"] for m in mine} != {m.where["inode"] for m in theirs}
-        assert len({m.where["inode"] for m in mine + theirs}) == 2, "one area per uid"
+        assert len({m.where["inode"] for m in mine + theirs}) == 2, "one area per group and uid"
         assert pages_held(d.proc.pid) == 2
         for m in mine + theirs:
             m.end()
@@ -209,20 +210,22 @@ def test_another_uid_never_gets_the_first_uids_area(socket_dir, users):  # noqa:
         assert d.stop() == 0, d.logs()
 
 
-def test_garbage_over_a_members_whole_area_leaves_another_uids_group_alone(socket_dir, users):  # noqa: F811
-    """A member maps its uid's whole area, so its garbage reaches every group of its own uid placed
-    there (the trust of docs/security.md); a group of another uid is in another area, untouched, and
-    the daemon, which never reads a page, survives."""
+def test_garbage_over_a_members_whole_area_leaves_every_other_group_alone(socket_dir, users):  # noqa: F811
+    """A member maps its group's whole area; another group, of the same uid or of another, is in
+    another area, untouched, and the daemon, which never reads a page, survives."""
     d = shared_daemon(socket_dir)
     try:
         spoiled = group_of(d, "spoiled", 2, "--timeout", "1", "--as-user", users[USER_A])
         healthy = group_of(d, "healthy", 2, "--as-user", users[USER_B])
+        neighbours = group_of(d, "neighbours", 2, "--as-user", users[USER_A])
         assert spoiled[0].ask("garbage")["value"] >= spoiled[0].where["offset"] + 4096
         for reply in ask_all(spoiled, "agree"):
             assert reply["ok"] or reply["type"] == "MonoUnsupported", reply  # a verdict or a refusal, no crash or hang
-        assert [r["value"] for r in ask_all(healthy, "agree")] == [True, True]
-        assert [r["ok"] for r in ask_all(healthy, "check")] == [True, True]
-        for m in spoiled + healthy:
+        for untouched in (healthy, neighbours):
+            assert [r["value"] for r in ask_all(untouched, "agree")] == [True, True]
+            assert [r["ok"] for r in ask_all(untouched, "check")] == [True, True]
+        assert neighbours[0].where["inode"] != spoiled[0].where["inode"], "a group of the same uid: its own area"
+        for m in spoiled + healthy + neighbours:
             m.end()
         assert d.proc.poll() is None
     finally:

@@ -42,17 +42,17 @@ def unmap_members():
         _mapped.pop().close()
 
 
-def opened(reg, npes=2, pids=(100, 101), name="n", uid=None) -> tuple:
-    """A live set of group g, and where its page is: the join reply's ``page``."""
+def opened(reg, npes=2, pids=(100, 101), name="n", uid=None, group="g") -> tuple:
+    """A live set of ``group``, and where its page is: the join reply's ``page``."""
     for r in range(npes):
-        out = reg.join(("c", r), who(pids[r], uid), {"group": "g", "name": name, "rank": r, "npes": npes,
+        out = reg.join(("c", r), who(pids[r], uid), {"group": group, "name": name, "rank": r, "npes": npes,
                                                       "nbytes": 64, "device": "d", "flags": 0, "timeout": None}, 0.0)
     replies = list(bodies(out).values())
     assert len(replies) == npes and all(b.get("page") == replies[0].get("page") for b in replies), replies
     for r in range(npes):
-        reg.commit(("v", r), who(pids[r], uid), {"group": "g", "name": name, "rank": r, "ok": True, "reason": "",
+        reg.commit(("v", r), who(pids[r], uid), {"group": group, "name": name, "rank": r, "ok": True, "reason": "",
                                                  "timeout": None}, 0.0)
-    return reg.sets[(uid, "g", name)], replies[0].get("page")
+    return reg.sets[(uid, group, name)], replies[0].get("page")
 
 
 def member_view(pages, bset, location) -> ControlPage:
@@ -65,7 +65,7 @@ def member_view(pages, bset, location) -> ControlPage:
     return _mapped[-1].page(offset, bset.npes, instance=pages.instance, generation=generation)
 
 
-def test_a_set_gets_a_page_of_its_uids_area_when_its_handles_go_out(reg, pages):
+def test_a_set_gets_a_page_of_its_groups_area_when_its_handles_go_out(reg, pages):
     bset, location = opened(reg)
     area_id, offset, generation = location
     view = member_view(pages, bset, location)
@@ -75,7 +75,7 @@ def test_a_set_gets_a_page_of_its_uids_area_when_its_handles_go_out(reg, pages):
     assert view.unmapped() == [0, 1] and view.aborted() is None, "a fresh page"
 
 
-def test_sets_of_one_uid_share_an_area_until_it_is_full_and_other_uids_get_their_own(reg, pages):
+def test_sets_of_one_group_share_an_area_until_it_is_full_and_other_groups_get_their_own(reg, pages):
     locations = [opened(reg, 1, pids=(100 + k,), name=f"s{k}")[1] for k in range(AREA_PAGES + 1)]
     assert len({loc[0] for loc in locations[:AREA_PAGES]}) == 1 and locations[-1][0] != locations[0][0]
     assert len({loc[1] for loc in locations[:AREA_PAGES]}) == AREA_PAGES, "every page its own slot"
@@ -83,6 +83,8 @@ def test_sets_of_one_uid_share_an_area_until_it_is_full_and_other_uids_get_their
     assert wide[0] not in {loc[0] for loc in locations}, "a page size of its own"
     theirs = opened(reg, 1, pids=(300,), name="s0", uid=1000)[1]
     assert theirs[0] not in {loc[0] for loc in locations}, "another uid never shares an area"
+    other = opened(reg, 1, pids=(301,), name="s0", group="h")[1]
+    assert other[0] not in {loc[0] for loc in locations + [theirs]}, "nor another group of the same uid"
 
 
 def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages):
