@@ -16,6 +16,11 @@ alternating so that drift hits both alike:
       p99 of every call of every rank (a rank that arrives last waits least,
       so per-call times spread around the period).
 
+The workers' garbage collector is off while they time (a collection pause
+would land in whichever path it hit); a round whose last rank still starts
+late is reported both ways: from the common instant, and from that rank's
+start (the round alone).
+
 ``--backend cuda`` only gives every worker a CUDA context on GPU 0 first
 (the agreement itself never touches the GPU, in either path).
 """
@@ -23,6 +28,7 @@ alternating so that drift hits both alike:
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -74,6 +80,8 @@ def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict
     for fn in calls.values():
         for _ in range(args.warmup):
             assert fn()
+    gc.collect()
+    gc.disable()  # a collection pause in a worker would land in whichever path it hit: neither's to pay
     durations = {p: [] for p in paths}
     periods = {p: [] for p in paths}
     per_block = max(1, args.rounds // args.blocks)
@@ -98,6 +106,7 @@ def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict
             synced[path].append((time.monotonic() - instant, late))
             if not ok:
                 raise RuntimeError(f"{path} agreement returned False")
+    gc.enable()
     dist.destroy_process_group()
     return durations, periods, synced
 
