@@ -94,7 +94,7 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
-        self.pages = Pages(settings.control_pages)  # a control page per live set, in per-uid areas (peerd.pages)
+        self.pages = Pages(settings.control_pages)  # a control page per live set, in per-group areas (peerd.pages)
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages,
