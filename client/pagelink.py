@@ -31,7 +31,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from peerd.controlpage import PAGE_HANDLES, AbortCode, Area, ControlPage
+from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
+from peerd.pagearea import Area
 from peerd.fdchannel import fetch_fds
 from peerd.pageagree import PageVoter, native_voter
 from peerd.paths import fd_socket_path

@@ -1,7 +1,7 @@
 """The group control page: agreement votes and the abort word in one shared page.
 
 The daemon keeps its pages in *areas*: one sealed memfd (no name anyone
-could guess or open) of AREA_PAGES fixed-size slots per (owner uid, group,
+could guess or open; peerd.pagearea) of fixed-size slots per (owner uid, group,
 page size), and places each set's page in a slot of its group's area when
 the set's handles go out. A process maps each area it is given once, for
 its whole life, so only a group's first buffer set costs an fd and a
@@ -166,7 +166,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import fcntl
 import mmap
 import os
 import time
@@ -182,13 +181,8 @@ MAX_NPES = 1024
 REASON_BYTES = 256
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
-#: slots per area: one fd and one mapping (and, on a GPU, one registration, which pins the whole area) serve
-#: the first 8 sets of a group alive at once; an area of pages for up to 48 ranks is 32 KiB
-AREA_PAGES = 8
 #: what the fd channel's page answer names its two fds: the set's area, the daemon's alive pipe (peerd.pages)
 PAGE_HANDLES = [b"control-area", b"daemon-alive"]
-#: /proc shows an area as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
-MEMFD_NAME = "controlpage"
 
 OFF_MAGIC, OFF_VERSION, OFF_INSTANCE, OFF_NPES, OFF_GENERATION = 0, 8, 16, 24, 32
 OFF_WAKE, OFF_SLEEPERS = 64, 68
@@ -280,89 +274,6 @@ def encode_abort(code: int, reason: bytes) -> int:
 
 
 # ---------------------------------------------------------------- areas and pages
-
-
-def _mmap(fd: int, size: int) -> int:
-    address = atomics().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-    if address in (None, ctypes.c_void_p(-1).value):
-        raise PageError(f"mmap of the control page area failed: {os.strerror(ctypes.get_errno())}")
-    return address
-
-
-class Area:
-    """A sealed memfd of ``slots`` control pages of ``page_size`` bytes each, mapped here.
-
-    ``Area.create`` (the daemon) makes it and keeps ``fd`` to hand out;
-    ``Area.attach(fd)`` (a member) maps it and closes the fd: the mapping
-    keeps the memory alive, so a member holds no fd of it.
-    """
-
-    def __init__(self, fd: int, size: int):
-        self.size = size
-        self.address = _mmap(fd, size)
-        self.fd = fd
-
-    @classmethod
-    def create(cls, page_size: int, slots: int = AREA_PAGES) -> "Area":
-        """A zero-filled area; PageError where the memfd or its mapping cannot be made."""
-        try:
-            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as err:
-            raise PageError(f"memfd_create failed: {err}") from None
-        try:
-            os.ftruncate(fd, page_size * slots)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            return cls(fd, page_size * slots)
-        except BaseException:
-            os.close(fd)
-            raise
-
-    @classmethod
-    def attach(cls, fd: int) -> "Area":
-        """Map an area received as ``fd``, which is closed whatever happens."""
-        try:
-            size = os.fstat(fd).st_size
-            if size < OFF_SLOTS + SLOT_BYTES:
-                raise PageError(f"fd {fd} is {size} bytes, too small for a control page area")
-            area = cls(fd, size)
-        finally:
-            os.close(fd)
-        area.fd = -1
-        return area
-
-    def page_at(self, offset: int, size: int) -> "ControlPage":
-        """The raw page at ``offset`` (the daemon formats it)."""
-        if offset < 0 or offset % mmap.PAGESIZE or offset + size > self.size:
-            raise PageError(f"a control page at offset {offset} of {size} bytes is not inside the "
-                            f"{self.size}-byte area")
-        return ControlPage(self.address + offset, size)
-
-    def page(self, offset: int, npes: int, instance: int | None = None,
-             generation: int | None = None) -> "ControlPage":
-        """The page at ``offset``, checked: a control page of this layout, of
-        ``npes`` ranks, made by daemon run ``instance`` (StaleInstance
-        otherwise) for set ``generation``, each where given."""
-        page = self.page_at(offset, page_bytes(npes))
-        magic = page.word(OFF_MAGIC).value
-        atomics().acquire_fence()
-        if magic != MAGIC or page.version != VERSION:
-            raise PageError(f"offset {offset} of the area holds no version-{VERSION} control page (magic {magic:#x})")
-        if page.npes != npes:
-            raise PageError(f"the control page is for npes={page.npes}, this group has npes={npes}")
-        if instance is not None:
-            page.check_instance(instance)
-        if generation is not None and page.generation != generation:
-            raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
-        return page
-
-    def close(self) -> None:
-        """Unmap, and close the fd where this process holds it; no view of a page may be used after."""
-        if self.address:
-            atomics().munmap(self.address, self.size)
-            self.address = 0
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 class ControlPage:

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .buffersets import BufferSet, Slot
-from .controlpage import AREA_PAGES, PAGE_HANDLES, AbortCode, Area, ControlPage, PageError, new_instance_id, page_bytes
+from .controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError, new_instance_id, page_bytes
+from .pagearea import AREA_PAGES, Area
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")

@@ -41,7 +41,7 @@ def main() -> None:
 
     import torch
 
-    from peerd.controlpage import Area
+    from peerd.pagearea import Area
     from peerd_client import PeerBuffer
     from peerd_client.allreduce import all_reduce, raise_for_status
     from peerd_client.hostmap import MappedArea, MappedPage

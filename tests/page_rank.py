@@ -37,7 +37,7 @@ def say(**fields) -> None:
 
 
 def main() -> None:
-    from peerd.controlpage import Area
+    from peerd.pagearea import Area
     from peerd.pageagree import PageVoter
 
     parser = argparse.ArgumentParser()

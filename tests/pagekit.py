@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from peerd.controlpage import Area, ControlPage, page_bytes
+from peerd.controlpage import ControlPage, page_bytes
+from peerd.pagearea import Area
 
 
 class OwnPage(ControlPage):

@@ -119,7 +119,8 @@ def test_out_of_memory_is_a_clear_refusal_that_holds_nothing(hip_daemon):
 REGISTER_SCRIPT = """
 import ctypes, sys
 from cuda.bindings import runtime as cudart
-from peerd.controlpage import OFF_ABORT, AbortCode, Area, new_instance_id, page_bytes
+from peerd.controlpage import OFF_ABORT, AbortCode, new_instance_id, page_bytes
+from peerd.pagearea import Area
 from peerd_client.hostmap import _Hip
 
 area = Area.create(page_bytes(2), slots=2)

@@ -70,7 +70,7 @@ def word(address: int) -> int:
 def abort_from_another_process(page: OwnPage, code: AbortCode, reason: str) -> None:
     """What the daemon does: map the page's area from its fd and write the abort."""
     subprocess.run(
-        [sys.executable, "-c", "import sys; from peerd.controlpage import Area; "
+        [sys.executable, "-c", "import sys; from peerd.pagearea import Area; "
          "Area.attach(int(sys.argv[1])).page(0, int(sys.argv[2])).abort(int(sys.argv[3]), sys.argv[4])",
          str(page.fd), str(page.npes), str(int(code)), reason],
         pass_fds=(page.fd,), check=True, cwd=ROOT, timeout=60,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from peerd.controlpage import MEMFD_NAME
+from peerd.pagearea import MEMFD_NAME
 from tests.conftest import Daemon, wait_until
 from tests.integration.test_arenas import SOCKET_GROUP, USER_A, USER_B, users  # noqa: F401 (the fixture)
 

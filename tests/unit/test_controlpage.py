@@ -14,7 +14,8 @@ import time
 import pytest
 
 from peerd import controlpage as cp
-from peerd.controlpage import AbortCode, Area, ControlPage, GroupAborted, Outcome, PageError, StaleInstance
+from peerd.controlpage import AbortCode, ControlPage, GroupAborted, Outcome, PageError, StaleInstance
+from peerd.pagearea import Area
 from peerd.pageagree import PageVoter
 from tests.pagekit import OwnPage
 

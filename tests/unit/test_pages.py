@@ -8,11 +8,12 @@ import os
 import pytest
 
 from peerd import controlpage as cp
-from peerd.controlpage import AREA_PAGES, PAGE_HANDLES, AbortCode, Area, ControlPage, PageError
+from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
+from peerd.pagearea import AREA_PAGES, Area
 from peerd.pages import LEAVE_GRACE_S, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
-from tests.unit.test_groups import FakeMemory, bodies, commit, join, release, who
+from tests.unit.test_groups import FakeMemory, agree, bodies, commit, join, release, who
 
 
 @pytest.fixture
@@ -213,8 +214,6 @@ def test_an_area_is_closed_once_every_slot_is_free_and_every_process_it_was_hand
 
 
 def test_on_the_message_path_a_vote_after_an_eviction_is_false_until_the_pid_joins_again(reg):
-    from tests.unit.test_groups import agree, bodies, commit
-
     opened(reg)
     for r in (0, 1):
         agree(reg, r, group="g")
