@@ -31,10 +31,7 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     link = link_for(group) if isinstance(group, str) else None
     if link is not None and link.voter is not None and not link.daemon_gone and \
             (rank, npes) in ((None, None), (link.rank, link.npes)):  # a decode step's guard: nothing to resolve
-        verdict = link.voter.agree(bool(ok), time.monotonic() + (timeout or link.agreement_timeout))
-        if not verdict.ok:
-            log.warning("tp_agree on group=%s is False: %s", group, verdict.reason)
-        return verdict.ok
+        return _round_on_page(link, group, bool(ok), timeout or link.agreement_timeout)
     conn = connection()
     timeout = timeout or conn.hello["agreement_timeout"]  # decided here and sent: the daemon waits as long
     member = resolve(group, rank, npes, timeout + GRACE_S)
@@ -75,7 +72,12 @@ def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | 
     if link.daemon_gone:
         raise DaemonUnavailable(f"the peerd daemon (instance {link.instance:#x}) that made group={member.key}'s "
                                 "control page went away: build the PeerBuffer again once a daemon runs")
-    verdict = link.voter.agree(ok, deadline=time.monotonic() + timeout)
+    return _round_on_page(link, member.key, ok, timeout)
+
+
+def _round_on_page(link: GroupLink, key: str, ok: bool, timeout: float) -> bool:
+    """The next round on the link's page; a False verdict's reason is logged."""
+    verdict = link.voter.agree(ok, time.monotonic() + timeout)
     if not verdict.ok:
-        log.warning("tp_agree on group=%s is False: %s", member.key, verdict.reason)
+        log.warning("tp_agree on group=%s is False: %s", key, verdict.reason)
     return verdict.ok

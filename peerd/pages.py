@@ -100,7 +100,6 @@ class _Area:
 @dataclass
 class _Entry:
     set_id: int
-    group: tuple[int | None, str]  # (owner uid, group)
     area: _Area
     offset: int
     page: ControlPage
@@ -115,7 +114,7 @@ class Pages:
         self.instance = new_instance_id()  # announced in hello; written into every page
         self.enabled = enabled
         self._pages: dict[int, _Entry] = {}
-        self._areas: dict[int, _Area] = {}
+        self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
         self._area_ids = itertools.count(1)
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
@@ -136,17 +135,17 @@ class Pages:
         page = area.area.page_at(offset, size)
         page.format(bset.npes, self.instance, bset.id)
         area.mappers.update(s.pid for s in bset.slots.values())
-        self._pages[bset.id] = _Entry(bset.id, (bset.owner_uid, bset.group), area, offset, page)
+        self._pages[bset.id] = _Entry(bset.id, area, offset, page)
         return [area.id, offset, bset.id]
 
     def _room(self, owner: tuple[int | None, str], size: int) -> _Area:
         """An area of the pages of ``owner`` (uid, group) of ``size`` bytes with a free slot, made where none has one."""
-        for area in self._areas.values():
-            if area.owner == owner and area.page_size == size and area.free:
+        for area in self._areas.get((owner, size), []):
+            if area.free:
                 return area
         area = _Area(next(self._area_ids), owner, size, Area.create(size),
                      free=list(range(size * (AREA_PAGES - 1), -1, -size)))
-        self._areas[area.id] = area
+        self._areas.setdefault((owner, size), []).append(area)
         log.info("control page area %d made for group %s of uid %s: %d pages of %d bytes", area.id, owner[1],
                  owner[0], AREA_PAGES, size)
         return area
@@ -181,7 +180,7 @@ class Pages:
         """A set of the group failed: every page of the group aborts with its verdict."""
         reason = bset.failure.message if bset.failure else f"{bset.label} failed"
         for set_id, entry in list(self._pages.items()):
-            if entry.group == (bset.owner_uid, bset.group):
+            if entry.area.owner == (bset.owner_uid, bset.group):
                 self._abort(set_id, AbortCode.SET_FAILED, reason)
 
     def evicted(self, bset: BufferSet) -> None:
@@ -208,7 +207,7 @@ class Pages:
 
     def process_gone(self, pid: int) -> None:
         """A process exited, and its mappings with it: the slots and areas it kept may go."""
-        for area in list(self._areas.values()):
+        for area in [a for areas in self._areas.values() for a in areas]:
             area.mappers.discard(pid)
             for offset, pids in list(area.retired.items()):
                 pids.discard(pid)
@@ -221,7 +220,10 @@ class Pages:
 
     def _close_if_idle(self, area: _Area) -> None:
         if area.idle:
-            del self._areas[area.id]
+            areas = self._areas[(area.owner, area.page_size)]
+            areas.remove(area)
+            if not areas:
+                del self._areas[(area.owner, area.page_size)]
             area.area.close()
             log.info("control page area %d of group %s of uid %s closed: every page free, every process gone",
                      area.id, area.owner[1], area.owner[0])
@@ -230,8 +232,9 @@ class Pages:
         """Abort every page and close every area; members see the alive pipe close too."""
         for entry in self._pages.values():
             self._abort_entry(entry, AbortCode.SHUTDOWN, "the peerd daemon is shutting down")
-        for area in self._areas.values():
-            area.area.close()
+        for areas in self._areas.values():
+            for area in areas:
+                area.area.close()
         self._pages.clear()
         self._areas.clear()
         for fd in (self._alive_r, self._alive_w):
@@ -246,7 +249,7 @@ class Pages:
     @property
     def areas(self) -> int:
         """Areas open now."""
-        return len(self._areas)
+        return sum(map(len, self._areas.values()))
 
     def _abort(self, set_id: int, code: AbortCode, reason: str) -> None:
         entry = self._pages.get(set_id)
