@@ -77,6 +77,8 @@ def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict
     import torch.distributed as dist
 
     paths = list(calls)
+    if args.pin:
+        pin(rank, dist.get_world_size())
     for fn in calls.values():
         for _ in range(args.warmup):
             assert fn()
@@ -109,6 +111,18 @@ def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict
     gc.enable()
     dist.destroy_process_group()
     return durations, periods, synced
+
+
+def pin(rank: int, npes: int) -> None:
+    """Keep this worker (and its threads: gloo's, ZeroMQ's) on cores of its own, the same for both paths,
+    so no worker is migrated or shares a core with another at the common instant."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // npes
+    if per < 1:
+        raise SystemExit(f"--pin needs a core per rank: {len(cores)} cores for {npes} ranks")
+    mine = cores[rank * per:(rank + 1) * per]
+    for thread in os.listdir("/proc/self/task"):  # the affinity is per thread: the running ones too
+        os.sched_setaffinity(int(thread), mine)
 
 
 def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> dict:
@@ -161,6 +175,8 @@ def agreement_parser(description: str, rounds: int, warmup: int) -> argparse.Arg
     parser.add_argument("--blocks", type=int, default=10, help="alternating blocks the rounds are split into")
     parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
     parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
+    parser.add_argument("--pin", action="store_true", help="pin each worker to cores of its own "
+                        "(an equal share of this process's cores), for both paths")
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None)
