@@ -71,7 +71,7 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
         Connection.call = call
         from peerd_client import hostmap, pagelink
 
-        def timed(owner, name, mark):  # the control page's steps, between the join's answer and the commit
+        def timed(owner, name, mark, method=False):  # the steps between the join's answer and the verdict
             real = getattr(owner, name)
 
             def step(*a, **kw):
@@ -79,12 +79,15 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
                     return real(*a, **kw)
                 finally:
                     marks[mark] = time.monotonic()
-            setattr(owner, name, staticmethod(step) if isinstance(owner, type) else step)
+            setattr(owner, name, staticmethod(step) if isinstance(owner, type) and not method else step)
 
         timed(pagelink, "fetch_fds", "page fetched")
         timed(pagelink.Area, "attach", "page mapped")
         timed(hostmap, "MappedPage", "page registered")
         timed(pagelink, "_DaemonWatch", "daemon watched")
+        timed(PeerBuffer, "_view", "views built", method=True)
+        timed(Connection, "post", "commit posted", method=True)
+        timed(pagelink.GroupLink, "commit", "commit voted on the page", method=True)
 
         def record(path, i, instant, late):
             done = time.monotonic()

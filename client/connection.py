@@ -179,8 +179,18 @@ class Connection:
             finally:
                 self._owner = None
 
-    def _call(self, op: str, body: dict[str, Any], timeout: float,
-              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+    def post(self, op: str, body: dict[str, Any]) -> None:
+        """Send one request whose answer comes another way (a commit on the control page): the
+        daemon answers it only with a refusal, which the next call skips as stray."""
+        with self._lock:
+            self._owner = threading.get_ident()  # a finalizer's send_later on this thread defers, as in call()
+            try:
+                self._send(op, self._ready(op, body))
+            finally:
+                self._owner = None
+
+    def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` checked, once the connection is known alive and the deferred requests went out."""
         try:
             self._check_lost()
         except DaemonUnavailable:
@@ -190,10 +200,13 @@ class Connection:
         while self._deferred:
             self._send(*self._deferred.pop(0))
         try:
-            body = validate_request(op, body)  # a bad call fails here, with the field named, not in the daemon
+            return validate_request(op, body)  # a bad call fails here, with the field named, not in the daemon
         except ProtocolError as err:
             raise MonoUnsupported(err.message, err.code.value) from None
-        request_id = self._send(op, body)
+
+    def _call(self, op: str, body: dict[str, Any], timeout: float,
+              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+        request_id = self._send(op, self._ready(op, body))
         deadline = time.monotonic() + timeout
         if meanwhile is not None:
             meanwhile()

@@ -28,6 +28,7 @@ import logging
 import os
 import select
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,19 @@ class GroupLink:
                         self.label, type(err).__name__, err)
             self.close()
 
+    def commit(self, timeout: float) -> dict:
+        """The set's commit vote, on the page (COMMIT_ROUND): ``{ok, reason}`` as the daemon answers
+        it, and ``aborted``: whether the reason came from the daemon (else this rank's round failed)."""
+        self.voter = PageVoter(self.page, self.rank, self.label)
+        verdict = self.voter.agree(True, time.monotonic() + timeout)
+        if verdict.ok:
+            return {"ok": True, "reason": "", "aborted": False}
+        aborted = self.page.aborted()
+        if aborted is not None:
+            return {"ok": False, "reason": aborted.reason, "aborted": True}
+        return {"ok": False, "reason": f"the commit vote timed out after {timeout:g}s: {verdict.reason}",
+                "aborted": False}
+
     def choose(self) -> None:
         """After the commit verdict: keep the page only if every rank mapped it."""
         if self.page is None:
@@ -179,8 +193,6 @@ class GroupLink:
             log.info("%s: rank(s) %s have no control page: the group agrees through the daemon's messages",
                      self.label, missing)
             self.close()
-            return
-        self.voter = PageVoter(self.page, self.rank, self.label)
 
     def close(self) -> None:
         """Stop using the page: its area stays mapped (and registered) for the next set in it. No

@@ -33,9 +33,14 @@ the member's):
   alive pipe, and ``Area.attach(fd)`` maps it; then ``area.page(offset,
   npes=npes, instance=hello_instance, generation=generation)``,
   ``peerd_client.hostmap.MappedPage`` on a GPU, and ``mark_mapped(rank)``;
-  any failure costs one WARNING and keeps the message path. After the
-  commit verdict, ``unmapped()`` decides for the group (see "The choice"
-  below), then ``PageVoter(page, rank, label)`` runs tp_agree.
+  any failure costs one WARNING and keeps the message path. A member that
+  holds the page posts its commit (``page: true``, not answered) and votes
+  it on the page as round 1 (COMMIT_ROUND) with ``PageVoter(page, rank,
+  label)``, which then runs tp_agree (round k + 1 for the k-th call); a
+  member without it commits through a message and the daemon writes its
+  yes on the page (``vote_for``), or fails the set, aborting the page with
+  the reason, on a no. After the commit, ``unmapped()`` decides for the
+  group (see "The choice" below).
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
   evict frees anything, when a set of the group fails, and at shutdown;
@@ -70,7 +75,7 @@ naturally aligned::
 
 Write order and why nobody reads half a write:
 
-* A slot has one writer, its rank. To vote in round k it first stores the
+* A slot has one writer, its rank (but see the daemon's commit vote below). To vote in round k it first stores the
   vote bit (keeping bit (k - 1) % 2, the previous round's vote, intact), then
   stores ``round = k`` with release semantics (sequentially consistent, for
   the wake below). A reader that sees round >= k issues an acquire fence
@@ -107,11 +112,16 @@ Write order and why nobody reads half a write:
 
 The choice: every rank of a set takes the same path, page or messages. A
 member that attached the page (and, on a GPU, registered it) stores READY
-in its ``mapped`` word before it sends its commit vote; once the commit
-verdict is in, every vote, so every such store, happened before any rank
-reads the marks, and every rank reads the same ones: all READY, the page;
-any missing, messages (a rank without the page has no page to read). The
-commit verdict is the barrier; the daemon need not know the choice.
+in its ``mapped`` word before it votes in the commit round; once that round
+agreed, every vote, so every such store, happened before any rank reads
+the marks, and every rank reads the same ones: all READY, the page; any
+missing, messages (a rank without the page has no page to read, and hears
+the verdict from the daemon). The commit round is the barrier; the daemon
+need not know the choice.
+
+A slot's one writer is its rank, with one exception: the daemon writes the
+commit vote (round 1, yes) of a rank that committed through a message,
+that is, a rank that has no mapping of the page and so never writes it.
 
 Rounds: the k-th call of a rank is round k. A rank passes round k only once
 its entry holds a verdict, and a verdict other than TIMEOUT or ABORTED needs
@@ -177,6 +187,7 @@ from .atomics import SEQ_CST, PageError, atomics
 MAGIC = int.from_bytes(b"peerdCP1", "little")
 VERSION = 2
 RING = 64
+COMMIT_ROUND = 1  # a set's commit vote is its page's round 1, so tp_agree's k-th call is round k + 1
 MAX_NPES = 1024
 REASON_BYTES = 256
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
@@ -249,7 +260,7 @@ def new_instance_id() -> int:
 
 
 READY = int.from_bytes(b"mapped!!", "little")
-OFF_MAPPED = 16  # in a slot
+OFF_VOTES, OFF_MAPPED = 8, 16  # in a slot
 
 
 def slot_offset(rank: int) -> int:
@@ -344,6 +355,19 @@ class ControlPage:
         missing = [r for r in range(self.npes) if self.word(slot_offset(r) + OFF_MAPPED).value != READY]
         atomics().acquire_fence()
         return missing
+
+    # ------------------------------------------------------------ the commit of a rank without the page
+
+    def vote_for(self, rank: int, k: int, ok: bool) -> None:
+        """Rank ``rank``'s vote in round ``k``, written by the daemon for a member that has no mapping
+        of the page and voted through a message (its slot's only writer then): the vote, then the
+        round, then a wake, in the voter's order (Note [Control page layout])."""
+        a, bit = atomics(), 1 << (k % 2)
+        votes = self.word(slot_offset(rank) + OFF_VOTES)
+        votes.value = (votes.value & ~bit) | (bit if ok else 0)
+        a.store_seq_cst(self.word(slot_offset(rank)), k)  # after the vote
+        a.add32(self.address + OFF_WAKE, 1, SEQ_CST)
+        a.futex_wake(self.address + OFF_WAKE)
 
     # ------------------------------------------------------------ abort
 

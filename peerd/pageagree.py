@@ -18,6 +18,7 @@ from .controlpage import (
     OFF_SLEEPERS,
     OFF_SLOTS,
     OFF_VERDICTS,
+    OFF_VOTES,
     OFF_WAKE,
     RING,
     ROUND_BITS,
@@ -58,7 +59,7 @@ class PageVoter:
         spin = spin_budget(page.npes) if spin_s is None else spin_s
         self._round = native_voter()(page.address, page.npes, rank, LAYOUT, spin, WAIT_SLICE_S)
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
-        self._ballots = [page.word(slot_offset(r) + 8) for r in range(page.npes)]
+        self._ballots = [page.word(slot_offset(r) + OFF_VOTES) for r in range(page.npes)]
 
     @property
     def rounds(self) -> int:

@@ -48,7 +48,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .buffersets import BufferSet, Slot
-from .controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError, new_instance_id, page_bytes
+from .controlpage import (
+    COMMIT_ROUND,
+    PAGE_HANDLES,
+    AbortCode,
+    ControlPage,
+    PageError,
+    new_instance_id,
+    page_bytes,
+)
 from .pagearea import AREA_PAGES, Area
 from .protocol import ErrorCode, ProtocolError
 
@@ -171,6 +179,17 @@ class Pages:
 
     # ------------------------------------------------------------ hooks of the set's life
 
+    def holds(self, bset: BufferSet) -> bool:
+        """Whether ``bset`` has a page (its ranks may commit on it)."""
+        return bset.id in self._pages
+
+    def committed(self, bset: BufferSet, rank: int) -> None:
+        """``rank`` committed ok through a message, having no mapping of the page: its vote in the
+        commit round (the page's round 1) goes on the page, where its peers wait for it."""
+        entry = self._pages.get(bset.id)
+        if entry is not None and not entry.aborted:
+            entry.page.vote_for(rank, COMMIT_ROUND, True)
+
     def hold_dropped(self, bset: BufferSet, slot: Slot, why: str) -> None:
         """A member died or released: its peers must not wait on it any more."""
         code = AbortCode.MEMBER_DIED if slot.dead else AbortCode.MEMBER_LEFT
@@ -269,6 +288,12 @@ class NoPages:
 
     def place(self, bset: BufferSet) -> None:
         return None
+
+    def holds(self, bset: BufferSet) -> bool:
+        return False
+
+    def committed(self, bset: BufferSet, rank: int) -> None:
+        pass
 
     def process_gone(self, pid: int) -> None:
         pass

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: commit takes `page`
 
 #: seconds a join or an agreement waits for every rank unless the client or the operator sets
 #: another; the daemon announces its current value in hello and clients send it back as the deadline

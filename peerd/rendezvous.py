@@ -131,7 +131,7 @@ class Rendezvous:
         bset.slots[rank] = Slot(rank, pid, uid, device, allocation, now, waiter=caller)
         timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
-        log.info("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
+        log.debug("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
                  device)
         if len(bset.slots) < bset.npes:
             bset.timers.append(self._timers.at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
@@ -206,7 +206,7 @@ class Rendezvous:
         if page is not None:
             body["page"] = page
         self._handed([s.allocation for s in slots], [s.pid for s in slots])
-        log.info("%s ready: handles sent to %d ranks", bset.label, bset.npes)
+        log.debug("%s ready: handles sent to %d ranks", bset.label, bset.npes)
         out = []
         for s in slots:
             out.append(Send(s.waiter, body))
@@ -259,15 +259,22 @@ class Rendezvous:
             return [Send(caller, error=error)]
         if bset.state is State.JOINING:
             return [refuse(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")]
+        on_page = req["page"]  # the rank waits on the page for the verdict: no answer here
+        if on_page and not self.pages.holds(bset):
+            return [refuse(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has no control page to commit on")]
         if bset.commit.result is not None:
-            return [bset.commit.answer(caller)]
+            return [] if on_page else [bset.commit.answer(caller)]
         if req["rank"] in bset.commit.votes:
             return [refuse(caller, ErrorCode.BAD_REQUEST, f"rank {req['rank']} already voted")]
         if not bset.commit.votes:
             timeout = req["timeout"] or self._waits.agreement
             timer = self._timers.at(now + timeout, lambda t, b=bset: self._commit_due(b, timeout))
             bset.commit.on_settle = lambda: self._timers.cancel(timer)
-        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], caller)
+        if req["ok"] and not on_page:
+            self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too
+        out = bset.commit.vote(req["rank"], req["ok"], req["reason"], None if on_page else caller)
+        if not req["ok"] and bset.commit.result is None:  # a no decides the set: fail fast, with its reason
+            out += bset.commit.finish(False, "; ".join(bset.commit.reasons))
         if bset.commit.result is not None:
             ok, reason = bset.commit.result
             if ok:
@@ -351,7 +358,7 @@ class Rendezvous:
         else:
             bset.timers.append(self._timers.at(left_at + LEAVE_GRACE_S, lambda t: self.pages.hold_dropped(bset, slot, why) or []))
         holding = len(bset.holding_slots())
-        log.info("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
+        log.debug("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
         if holding:
             return False
         self._free_set(bset)

@@ -24,11 +24,13 @@ class Round:
     result: tuple[bool, str] | None = None
     on_settle: Callable[[], None] | None = None  # cancels its timeout (and counts it settled)
 
-    def vote(self, rank: int, ok: bool, reason: str, caller: Caller) -> Outbox:
+    def vote(self, rank: int, ok: bool, reason: str, caller: Caller | None) -> Outbox:
+        """``caller`` None: a vote nobody waits on here (the rank learns the verdict elsewhere)."""
         self.votes[rank] = ok
         if not ok:
             self.reasons.append(f"rank {rank}: {reason}" if reason else f"rank {rank} voted no")
-        self.waiters[rank] = caller
+        if caller is not None:
+            self.waiters[rank] = caller
         if len(self.votes) == self.npes:
             return self.finish(all(self.votes.values()), "; ".join(self.reasons))
         return []

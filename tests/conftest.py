@@ -114,7 +114,7 @@ class Daemon:
             [sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket, *self.args],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
-            env={**self.env(), **self.daemon_env},
+            env={**self.env(), "PEERD_LOG_LEVEL": "debug", **self.daemon_env},  # tests wait on per-rank lines
         )
         wait_until(lambda: daemon_answers(self.socket) or self.proc.poll() is not None, 20, "the daemon to answer")
         assert self.proc.poll() is None, f"daemon exited at start:\n{self.log.read_text()}"

@@ -35,12 +35,13 @@ PARTIAL_BYTES = (1 << 20) - 1  # announced; one byte fewer is sent
 #: the longest key the daemon takes (protocol.MAX_KEY_CHARS, 128); the group
 #: and every name are this long
 KEY_CHARS = 128
+VERSION = 2  # protocol.VERSION: this script runs as other users, without peerd importable
 SETS_GROUP = "g" * KEY_CHARS
 WINDOW = 16  # requests the sets holder has in flight: a client that reads loses none
 
 
 def request(request_id: int, op: str, body: dict) -> bytes:
-    return msgpack.packb({"v": 1, "id": request_id, "op": op, "body": body}, use_bin_type=True)
+    return msgpack.packb({"v": VERSION, "id": request_id, "op": op, "body": body}, use_bin_type=True)
 
 
 def set_name(i: int) -> str:

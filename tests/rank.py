@@ -145,6 +145,27 @@ def cache(args) -> dict:
             "mapped_after_close": len(mappings)}
 
 
+def queued(args) -> dict:
+    """A set built while this rank's stream is busy: its address copy is still queued behind the work,
+    and a kernel on another stream must still read every rank's address, not what the memory held."""
+    import torch
+
+    from peerd_client import PeerBuffer
+
+    warm = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="warm")  # chunk and page area mapped
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the current stream
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="queued")
+    pending = buf._addresses_copied is not None and not buf._addresses_copied.query()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        seen = buf.addresses.clone()
+    side.synchronize()
+    out = {"pending": pending, "seen": seen.tolist(), "pointers": buf.pointers}
+    buf.close()
+    warm.close()
+    return out
+
+
 def sealed(args) -> dict:
     """Hold a buffer, fetch the set's fds again as its member, and try to resize or reseal a peer's."""
     import errno
@@ -353,7 +374,7 @@ def pipeline(args) -> dict:
     import msgpack
     import zmq
 
-    from peerd.protocol import decode_reply
+    from peerd.protocol import VERSION, decode_reply
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -363,7 +384,7 @@ def pipeline(args) -> dict:
     body = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
     groups = [args.group] * int(args.votes) + [f"{args.group}-{g}" for g in range(int(args.hold))]
     for i, group in enumerate(groups):
-        sock.send(msgpack.packb({"v": 1, "id": i + 1, "op": "agree", "body": {**body, "group": group}}))
+        sock.send(msgpack.packb({"v": VERSION, "id": i + 1, "op": "agree", "body": {**body, "group": group}}))
     codes, examples = collections.Counter(), {}
     while sock.poll(3000):
         reply = decode_reply(sock.recv())
@@ -439,6 +460,7 @@ def signals(args) -> dict:
 
 SCENARIOS = {
     "cache": cache,
+    "queued": queued,
     "call": call,
     "sealed": sealed,
     "chaos": chaos,

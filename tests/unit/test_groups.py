@@ -54,8 +54,8 @@ def join(reg, rank, npes=2, now=0.0, pid=None, **over):
     return reg.join(("c", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
-def commit(reg, rank, ok=True, now=0.0, pid=None, reason=""):
-    body = {"group": "g", "name": "n", "rank": rank, "ok": ok, "reason": reason, "timeout": None}
+def commit(reg, rank, ok=True, now=0.0, pid=None, reason="", page=False):
+    body = {"group": "g", "name": "n", "rank": rank, "ok": ok, "reason": reason, "timeout": None, "page": page}
     return reg.commit(("v", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 

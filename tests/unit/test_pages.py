@@ -13,7 +13,7 @@ from peerd.pagearea import AREA_PAGES, Area
 from peerd.pages import LEAVE_GRACE_S, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
-from tests.unit.test_groups import FakeMemory, agree, bodies, commit, join, release, who
+from tests.unit.test_groups import FakeMemory, agree, bodies, commit, errors, join, release, who
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def opened(reg, npes=2, pids=(100, 101), name="n", uid=None, group="g") -> tuple
     assert len(replies) == npes and all(b.get("page") == replies[0].get("page") for b in replies), replies
     for r in range(npes):
         reg.commit(("v", r), who(pids[r], uid), {"group": group, "name": name, "rank": r, "ok": True, "reason": "",
-                                                 "timeout": None}, 0.0)
+                                                 "timeout": None, "page": False}, 0.0)
     return reg.sets[(uid, group, name)], replies[0].get("page")
 
 
@@ -148,6 +148,45 @@ def test_a_page_that_cannot_be_made_leaves_the_set_without_one_with_one_warning(
     assert refused.value.code is ErrorCode.ALLOCATION_FAILED and "its log says why" in refused.value.message
 
 
+def test_a_commit_on_the_page_is_not_answered_and_a_commit_by_message_is_voted_on_the_page_for_its_rank(
+        reg, pages):
+    """The commit is the page's round 1: ranks that hold the page vote there and wait there; the
+    daemon writes the vote of a rank that committed through a message, so they count it too."""
+    out = join(reg, 0) + join(reg, 1)
+    location = bodies(out)[("c", 0)]["page"]
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, location)
+    assert commit(reg, 0, page=True) == [], "a rank on the page waits there: nothing answers it"
+    assert view.word(cp.slot_offset(0)).value == 0, "the daemon writes no vote for a rank that votes itself"
+    assert bodies(commit(reg, 1)) == {("v", 1): {"ok": True, "reason": ""}}, "only the rank that asked is answered"
+    assert view.word(cp.slot_offset(1)).value == cp.COMMIT_ROUND, "rank 1's vote is on the page"
+    assert view.word(cp.slot_offset(1) + cp.OFF_VOTES).value == 1 << (cp.COMMIT_ROUND % 2), "and it says yes"
+    assert bset.state.name == "LIVE" and view.aborted() is None
+
+
+@pytest.mark.parametrize("page", [False, True])
+def test_a_no_fails_the_set_at_once_and_aborts_the_page_with_its_reason(reg, pages, page):
+    """By message (a rank that could not map a peer) or posted from the page (its round timed out)."""
+    out = join(reg, 0) + join(reg, 1)
+    view = member_view(pages, reg.sets[(None, "g", "n")], bodies(out)[("c", 0)]["page"])
+    answered = bodies(commit(reg, 1, ok=False, reason="cudaIpcOpenMemHandle failed", page=page))
+    assert answered == ({} if page else {("v", 1): {"ok": False, "reason": "rank 1: cudaIpcOpenMemHandle failed"}})
+    assert view.word(cp.slot_offset(1)).value == 0, "a no is never written as a vote: the abort carries it"
+    aborted = view.aborted()
+    assert aborted is not None and aborted.code == AbortCode.SET_FAILED, "rank 0 waits on the page: it hears now"
+    assert "rank 1: cudaIpcOpenMemHandle failed" in aborted.reason, aborted.reason
+    assert reg.sets[(None, "g", "n")].state.name == "FAILED"
+    assert bodies(commit(reg, 0)) == {("v", 0): {"ok": False, "reason": "rank 1: cudaIpcOpenMemHandle failed"}}
+
+
+def test_a_commit_on_the_page_of_a_set_without_one_is_refused():
+    mem = FakeMemory()
+    reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10)  # no pages
+    join(reg, 0), join(reg, 1)
+    refused = errors(commit(reg, 0, page=True))[("v", 0)]
+    assert refused.code == ErrorCode.BAD_REQUEST and "has no control page to commit on" in refused.message
+
+
 def test_a_daemon_with_pages_off_places_none_refuses_the_request_and_the_request_names_its_slot():
     pages = Pages(enabled=False)
     try:
@@ -177,7 +216,8 @@ def test_a_freed_slot_is_reused_zeroed(reg, pages):
     assert again[:2] == first[:2] and again[2] == bset.id != first[2], "the same slot, for the new set"
     fresh = member_view(pages, bset, again)
     assert fresh.aborted() is None and fresh.unmapped() == [0, 1]
-    assert all(fresh.word(cp.slot_offset(r)).value == 0 for r in range(2)), "every rank's round is 0"
+    assert all(fresh.word(cp.slot_offset(r)).value == cp.COMMIT_ROUND for r in range(2)), \
+        "every rank's round is the commit vote the daemon wrote for it (it committed by message), not 7"
     assert all(fresh.word(cp.verdict_offset(k)).value == 0 for k in range(cp.RING)), "no verdict is left"
 
 

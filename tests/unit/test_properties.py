@@ -9,7 +9,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerd import ops
+from peerd import ops, protocol
 from peerd.credentials import Credentials
 from peerd.registry import Registry
 from peerd.protocol import ProtocolError
@@ -33,7 +33,7 @@ def test_any_bytes_decode_or_raise_protocol_error(frame):
 
 @given(st.sampled_from(sorted(ops.OPS) + ["nope"]), values, st.integers(-5, 2**64 - 1) | values)
 def test_any_msgpack_request_decodes_or_raises_protocol_error(op, body, request_id):
-    frame = msgpack.packb({"v": 1, "id": request_id, "op": op, "body": body}, use_bin_type=True)
+    frame = msgpack.packb({"v": protocol.VERSION, "id": request_id, "op": op, "body": body}, use_bin_type=True)
     try:
         request = ops.decode_request(frame)
     except ProtocolError:
@@ -93,7 +93,7 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
                                  "device": "d", "flags": 0, "timeout": None})
         elif kind == "commit":
             call(reg.commit, pid, {"group": "g", "name": name, "rank": ev[1], "ok": ev[2], "reason": "",
-                                   "timeout": None})
+                                   "timeout": None, "page": False})
         elif kind == "release":
             call(reg.release, pid, {"group": "g", "name": name, "rank": ev[1]})
         else:

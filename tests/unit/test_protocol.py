@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from peerd import ops, protocol
-from peerd.protocol import ErrorCode, ProtocolError
+from peerd.protocol import VERSION, ErrorCode, ProtocolError
 
 JOIN = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 4096, "device": "host"}
 
@@ -51,10 +51,10 @@ def test_error_codes_have_stable_names():
         (b"\xc1garbage", ErrorCode.BAD_REQUEST, "not a msgpack message"),
         (raw([1, 2, 3]), ErrorCode.BAD_REQUEST, "must be a map"),
         (raw({"v": 99, "id": 1, "op": "ls", "body": {}}), ErrorCode.UNSUPPORTED_VERSION, "version 99"),
-        (raw({"v": 1, "id": -1, "op": "ls", "body": {}}), ErrorCode.BAD_REQUEST, "'id'"),
-        (raw({"v": 1, "id": 1, "op": "fly", "body": {}}), ErrorCode.UNKNOWN_OP, "unknown op 'fly'"),
-        (raw({"v": 1, "id": 1, "op": "ls", "body": {}, "x": 1}), ErrorCode.BAD_REQUEST, "envelope"),
-        (raw({"v": 1, "id": 1, "op": "ls", "body": []}), ErrorCode.BAD_REQUEST, "body must be a map"),
+        (raw({"v": VERSION, "id": -1, "op": "ls", "body": {}}), ErrorCode.BAD_REQUEST, "'id'"),
+        (raw({"v": VERSION, "id": 1, "op": "fly", "body": {}}), ErrorCode.UNKNOWN_OP, "unknown op 'fly'"),
+        (raw({"v": VERSION, "id": 1, "op": "ls", "body": {}, "x": 1}), ErrorCode.BAD_REQUEST, "envelope"),
+        (raw({"v": VERSION, "id": 1, "op": "ls", "body": []}), ErrorCode.BAD_REQUEST, "body must be a map"),
         (b"\x00" * (protocol.MAX_FRAME_BYTES + 1), ErrorCode.BAD_REQUEST, "exceeds"),
     ],
 )
@@ -99,7 +99,7 @@ def test_votes_must_be_booleans_not_ints():
 
 
 def test_a_reply_with_an_unknown_code_still_decodes():
-    frame = raw({"v": 1, "id": 1, "ok": False, "error": {"code": "FROM_THE_FUTURE", "message": "m"}})
+    frame = raw({"v": VERSION, "id": 1, "ok": False, "error": {"code": "FROM_THE_FUTURE", "message": "m"}})
     assert protocol.decode_reply(frame).error.code is ErrorCode.INTERNAL
 
 
@@ -134,10 +134,17 @@ def test_the_largest_valid_request_of_every_op_fits_the_daemons_frame_cap():
         "group": key, "name": key, "device": key, "reason": "\U0001F600" * protocol.MAX_REASON_CHARS,
         "rank": protocol.MAX_RANKS - 1, "npes": protocol.MAX_RANKS, "nbytes": protocol.MAX_NBYTES,
         "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S, "after": [key, key, (1 << 32) - 1], "uid": (1 << 32) - 1,
-        "limit": protocol.MAX_LS_PAGE,
+        "limit": protocol.MAX_LS_PAGE, "page": True,
     }
     for op, schema in ((name, op.request) for name, op in ops.OPS.items()):
         body = {name: longest[name] for name in schema}
         frame = protocol.encode_request((1 << 63) - 1, op, body)
         assert len(frame) <= protocol.MAX_REQUEST_BYTES, (op, len(frame))
         assert ops.decode_request(frame).body == body
+
+
+def test_the_flooders_speak_the_daemons_protocol_version():
+    """tests/flooders.py runs as other users without peerd importable, so it keeps its own copy."""
+    from tests import flooders
+
+    assert flooders.VERSION == protocol.VERSION
