@@ -231,16 +231,19 @@ class PeerBuffer:
     def addresses(self):
         """int64 tensor on ``device`` of every rank's buffer address, by rank.
 
-        Filled by a copy queued at construction: until it is seen complete, the stream current at
-        each access waits for it on the device (the host never blocks).
+        Filled by a copy queued at construction on the stream then current: until the copy is seen
+        complete, the stream current at each access waits for it on the device (the host never
+        blocks), so read it again on any other stream it is used on before then. Inside a CUDA
+        graph capture nothing waits: a capture starts with a device synchronize.
         """
         self._guard()
         copied = self._addresses_copied
         if copied is not None:
-            if copied.query():
+            torch = require_torch()
+            if torch.cuda.is_current_stream_capturing() or copied.query():  # no event call inside a capture
                 self._addresses_copied = None
             else:
-                require_torch().cuda.current_stream(self.device).wait_event(copied)
+                torch.cuda.current_stream(self.device).wait_event(copied)
         return getattr(self, "_addresses", None)
 
     @property

@@ -32,6 +32,8 @@ class _Atomics:
         u64, u32, vp, i = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int
         self.store = getattr(lib, "__atomic_store_8")
         self.store.argtypes, self.store.restype = [vp, u64, i], None
+        self._cas = getattr(lib, "__atomic_compare_exchange_8")
+        self._cas.argtypes, self._cas.restype = [vp, ctypes.POINTER(u64), u64, i, i], ctypes.c_bool
         self.add32 = getattr(lib, "__atomic_fetch_add_4")
         self.add32.argtypes, self.add32.restype = [vp, u32, i], u32
         self.fence = lib.atomic_thread_fence
@@ -68,6 +70,12 @@ class _Atomics:
         self.store(ctypes.addressof(word), value, SEQ_CST)
         if not self.tso:
             self.fence(SEQ_CST)
+
+    def compare_exchange(self, word: ctypes.c_uint64, expected: int, desired: int) -> int:
+        """Store ``desired`` where the word holds ``expected`` (sequentially consistent); the value it held."""
+        seen = ctypes.c_uint64(expected)
+        self._cas(ctypes.addressof(word), ctypes.byref(seen), desired, SEQ_CST, SEQ_CST)
+        return seen.value
 
     def acquire_fence(self) -> None:
         """Loads after it see what the stores before a release that earlier loads saw."""

@@ -39,8 +39,12 @@ the member's):
   label)``, which then runs tp_agree (round k + 1 for the k-th call); a
   member without it commits through a message and the daemon writes its
   yes on the page (``vote_for``), or fails the set, aborting the page with
-  the reason, on a no. After the commit, ``unmapped()`` decides for the
-  group (see "The choice" below).
+  the reason, on a no. A page post's yes settles the set live (its round
+  agreed); before the daemon fails a set still opening (a rank died or
+  left unheard, the commit timed out) it closes round 1 (``close_round``),
+  and a round that had agreed makes the set live instead: the ranks went
+  on with it. After the commit, ``unmapped()`` decides for the group (see
+  "The choice" below).
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
   evict frees anything, when a set of the group fails, and at shutdown;
@@ -167,9 +171,12 @@ buffer read-write. It maps its whole area, which holds the pages of its
 own group's other sets only (the same group key: their members are its
 group's). It reaches no other group: areas are per (owner uid, group), and
 the fd channel hands an area only to a pid holding a rank of a set placed
-in it. The daemon never reads a page (it only
-writes), and the area is sealed against resizing (a shrunk memfd would
-SIGBUS the daemon and the peers).
+in it. The daemon reads one word of a page, the commit round's verdict,
+when it is about to fail a set still opening (``close_round``): where it
+says AGREED the set goes live instead, which a member could forge only
+for its own group; it writes a few words and trusts nothing else there.
+The area is sealed against resizing (a shrunk memfd would SIGBUS the
+daemon and the peers).
 """
 
 from __future__ import annotations
@@ -187,6 +194,7 @@ from .atomics import SEQ_CST, PageError, atomics
 MAGIC = int.from_bytes(b"peerdCP1", "little")
 VERSION = 2
 RING = 64
+DAEMON_RANK = 0xFFFF  # the proposer a verdict the daemon decides names
 COMMIT_ROUND = 1  # a set's commit vote is its page's round 1, so tp_agree's k-th call is round k + 1
 MAX_NPES = 1024
 REASON_BYTES = 256
@@ -368,6 +376,13 @@ class ControlPage:
         a.store_seq_cst(self.word(slot_offset(rank)), k)  # after the vote
         a.add32(self.address + OFF_WAKE, 1, SEQ_CST)
         a.futex_wake(self.address + OFF_WAKE)
+
+    def close_round(self, k: int) -> bool:
+        """The daemon decides round ``k`` where no rank has yet: ABORTED, so no rank can pass it once the
+        daemon failed the set. True where the round had already agreed (every rank voted yes)."""
+        entry = self.word(verdict_offset(k))
+        seen = atomics().compare_exchange(entry, 0, encode_verdict(k, Outcome.ABORTED, DAEMON_RANK))
+        return seen != 0 and decode_verdict(seen)[:2] == (k % (1 << ROUND_BITS), Outcome.AGREED)
 
     # ------------------------------------------------------------ abort
 

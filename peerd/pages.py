@@ -190,6 +190,12 @@ class Pages:
         if entry is not None and not entry.aborted:
             entry.page.vote_for(rank, COMMIT_ROUND, True)
 
+    def commit_agreed(self, bset: BufferSet) -> bool:
+        """Before the daemon fails an opening set: whether its commit round on the page agreed already
+        (every rank voted yes there, and may have gone on); where it did not, it never can now."""
+        entry = self._pages.get(bset.id)
+        return entry is not None and entry.page.close_round(COMMIT_ROUND)
+
     def hold_dropped(self, bset: BufferSet, slot: Slot, why: str) -> None:
         """A member died or released: its peers must not wait on it any more."""
         code = AbortCode.MEMBER_DIED if slot.dead else AbortCode.MEMBER_LEFT
@@ -294,6 +300,9 @@ class NoPages:
 
     def committed(self, bset: BufferSet, rank: int) -> None:
         pass
+
+    def commit_agreed(self, bset: BufferSet) -> bool:
+        return False
 
     def process_gone(self, pid: int) -> None:
         pass

@@ -273,9 +273,17 @@ class Rendezvous:
         if req["ok"] and not on_page:
             self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], None if on_page else caller)
-        if not req["ok"] and bset.commit.result is None:  # a no decides the set: fail fast, with its reason
-            out += bset.commit.finish(False, "; ".join(bset.commit.reasons))
-        if bset.commit.result is not None:
+        if bset.commit.result is None:
+            if not req["ok"]:  # a no decides the set: fail fast, with its reason
+                out += bset.commit.finish(False, "; ".join(bset.commit.reasons))
+            elif on_page:  # posted after its round on the page agreed: every rank voted yes there
+                out += bset.commit.finish(True, "")
+        self._settled(bset)
+        return out
+
+    def _settled(self, bset: BufferSet) -> None:
+        """The set's state once its commit round has a result."""
+        if bset.commit.result is not None and bset.state is State.OPENING:
             ok, reason = bset.commit.result
             if ok:
                 bset.move(State.LIVE)
@@ -284,11 +292,23 @@ class Rendezvous:
                 bset.move(State.FAILED, ProtocolError(ErrorCode.GROUP_FAILED, reason))
                 self.pages.set_failed(bset)
                 log.warning("%s failed its agreement: %s", bset.label, reason)
+
+    def _live_by_page(self, bset: BufferSet) -> Outbox | None:
+        """Before an opening set fails (its commit timed out, a rank died or left unheard): where its
+        commit round on the page agreed, the ranks went on with it, so it is live, whatever posts the
+        daemon has not read (still on their way, or lost with their rank); the answers, else None."""
+        if bset.commit.result is not None or not self.pages.commit_agreed(bset):
+            return None
+        out = bset.commit.finish(True, "")
+        self._settled(bset)
         return out
 
     def _commit_due(self, bset: BufferSet, timeout: float) -> Outbox:
         if bset.commit is None or bset.commit.result is not None:
             return []
+        settled = self._live_by_page(bset)
+        if settled is not None:
+            return settled
         missing = bset.commit.missing()
         message = (
             f"agreement of {bset.label} timed out after {timeout:g}s waiting for "
@@ -306,8 +326,10 @@ class Rendezvous:
             return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
         out: Outbox = []
         if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
-            message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
-            out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
+            out = self._live_by_page(bset)
+            if out is None:
+                message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
+                out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released", now)})]
 
     def opened_set(self, req: dict[str, Any], who: Credentials) -> BufferSet:
@@ -429,7 +451,9 @@ class Rendezvous:
                     out += self._fail(bset, ErrorCode.RANK_DIED, message + " before every rank joined", now=now)
                     break
                 if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
-                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
+                    settled = self._live_by_page(bset)
+                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers") \
+                        if settled is None else settled
                 self._drop_hold(bset, slot, "died")
         return out, ranks
 

@@ -162,6 +162,14 @@ def queued(args) -> dict:
     side.synchronize()
     out = {"pending": pending, "seen": seen.tolist(), "pointers": buf.pointers}
     buf.close()
+    captured = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="captured")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # addresses first read inside a capture: no event call may run there
+        copy = captured.addresses.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    out.update(captured=copy.tolist(), captured_pointers=captured.pointers)
+    captured.close()
     warm.close()
     return out
 

@@ -93,12 +93,13 @@ def test_a_cached_chunk_is_not_opened_twice(cuda_daemon):
         assert r["ok"] and r["same"] and r["driver_opens"] == 0 and r["mapped_after_close"] == 1, r
 
 
-def test_addresses_read_on_another_stream_wait_for_the_copy_queued_at_construction(cuda_daemon):
+def test_addresses_read_on_another_stream_or_in_a_graph_capture_see_the_copy_made_at_construction(cuda_daemon):
     from tests.conftest import run_ranks
 
     for r in run_ranks(cuda_daemon, "queued", 2, "--group", "gpu-queued"):
         assert r["ok"] and r["pending"], "the copy must still be queued when addresses is read, or nothing is tested"
         assert r["seen"] == r["pointers"], r
+        assert r["captured"] == r["captured_pointers"], "read first inside a CUDA graph capture"
 
 
 def test_the_daemon_context_footprint_is_small_and_reported(cuda_daemon):

@@ -156,12 +156,34 @@ def test_a_commit_on_the_page_is_not_answered_and_a_commit_by_message_is_voted_o
     location = bodies(out)[("c", 0)]["page"]
     bset = reg.sets[(None, "g", "n")]
     view = member_view(pages, bset, location)
-    assert commit(reg, 0, page=True) == [], "a rank on the page waits there: nothing answers it"
-    assert view.word(cp.slot_offset(0)).value == 0, "the daemon writes no vote for a rank that votes itself"
-    assert bodies(commit(reg, 1)) == {("v", 1): {"ok": True, "reason": ""}}, "only the rank that asked is answered"
+    assert commit(reg, 1) == [], "rank 1, without the page, waits for rank 0"
     assert view.word(cp.slot_offset(1)).value == cp.COMMIT_ROUND, "rank 1's vote is on the page"
     assert view.word(cp.slot_offset(1) + cp.OFF_VOTES).value == 1 << (cp.COMMIT_ROUND % 2), "and it says yes"
+    # rank 0 votes on the page itself, and posts once its round agreed: that settles the set
+    view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 0)
+    assert bodies(commit(reg, 0, page=True)) == {("v", 1): {"ok": True, "reason": ""}}, "only rank 1 is answered"
+    assert view.word(cp.slot_offset(0)).value == 0, "the daemon writes no vote for a rank that votes itself"
     assert bset.state.name == "LIVE" and view.aborted() is None
+
+
+@pytest.mark.parametrize("agreed", [True, False])
+def test_an_opening_set_whose_commit_agreed_on_the_page_is_live_though_a_post_never_came(reg, pages, agreed):
+    """Its ranks went on: a rank that dies (or stalls past the commit timeout) after its vote on the
+    page and before its post is a live set's member dying. Where the round had not agreed, the daemon
+    closes it (ABORTED) before it fails the set, so no rank can pass it after."""
+    out = join(reg, 0) + join(reg, 1)
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
+    if agreed:
+        view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 1)
+    reg.process_died(101, 1.0)  # rank 1, before its post (and rank 0's not read yet)
+    entry = cp.decode_verdict(view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value)
+    if agreed:
+        assert bset.state.name == "LIVE", "the ranks went on with it"
+        assert view.aborted().code == AbortCode.MEMBER_DIED and "rank 1 (pid 101)" in view.aborted().reason
+    else:
+        assert bset.state.name == "FAILED" and "died before it mapped its peers" in view.aborted().reason
+        assert entry[1:] == (cp.Outcome.ABORTED, cp.DAEMON_RANK), "closed: no rank passes it now"
 
 
 @pytest.mark.parametrize("page", [False, True])
