@@ -127,7 +127,8 @@ A slot's one writer is its rank, with one exception: the daemon writes the
 commit vote (round 1, yes) of a rank that committed through a message,
 that is, a rank that has no mapping of the page and so never writes it.
 
-Rounds: the k-th call of a rank is round k. A rank passes round k only once
+Rounds: the k-th call of a rank's voter is round k (its first is the commit,
+so tp_agree's k-th call is round k + 1). A rank passes round k only once
 its entry holds a verdict, and a verdict other than TIMEOUT or ABORTED needs
 every slot at k, so a rank is at most one round ahead of the slowest one
 (it waits), except past rounds that timed out. A rank that timed out in
