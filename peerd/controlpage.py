@@ -34,12 +34,12 @@ the member's):
   npes=npes, instance=hello_instance, generation=generation)``,
   ``peerd_client.hostmap.MappedPage`` on a GPU, and ``mark_mapped(rank)``;
   any failure costs one WARNING and keeps the message path. A member that
-  holds the page posts its commit (``page: true``, not answered) and votes
-  it on the page as round 1 (COMMIT_ROUND) with ``PageVoter(page, rank,
-  label)``, which then runs tp_agree (round k + 1 for the k-th call); a
-  member without it commits through a message and the daemon writes its
-  yes on the page (``vote_for``), or fails the set, aborting the page with
-  the reason, on a no. A page post's yes settles the set live (its round
+  holds the page votes its commit there as round 1 (COMMIT_ROUND) with
+  ``PageVoter(page, rank, label)``, which then runs tp_agree (round k + 1
+  for the k-th call), and posts the vote after (``page: true``, not
+  answered); a member without it commits through a message and the
+  daemon writes its yes on the page (``vote_for``), or fails the set,
+  aborting the page with the reason, on a no. A page post's yes settles the set live (its round
   agreed); before the daemon fails a set still opening (a rank died or
   left unheard, the commit timed out) it closes round 1 (``close_round``),
   and a round that had agreed makes the set live instead: the ranks went
@@ -79,9 +79,9 @@ naturally aligned::
 
 Write order and why nobody reads half a write:
 
-* A slot has one writer, its rank (but see the daemon's commit vote below). To vote in round k it first stores the
-  vote bit (keeping bit (k - 1) % 2, the previous round's vote, intact), then
-  stores ``round = k`` with release semantics (sequentially consistent, for
+* A slot has one writer, its rank (but see the daemon's commit vote
+  below). To vote in round k it first stores the vote bit (keeping bit
+  (k - 1) % 2, the previous round's vote, intact), then stores ``round = k`` with release semantics (sequentially consistent, for
   the wake below). A reader that sees round >= k issues an acquire fence
   before it reads the votes word, so it sees the vote of round k (or of
   k + 1 in the other bit). Aligned 8-byte loads and stores are single
