@@ -81,8 +81,9 @@ Write order and why nobody reads half a write:
 
 * A slot has one writer, its rank (but see the daemon's commit vote
   below). To vote in round k it first stores the vote bit (keeping bit
-  (k - 1) % 2, the previous round's vote, intact), then stores ``round = k`` with release semantics (sequentially consistent, for
-  the wake below). A reader that sees round >= k issues an acquire fence
+  (k - 1) % 2, the previous round's vote, intact), then stores
+  ``round = k`` with release semantics (sequentially consistent, for the
+  wake below). A reader that sees round >= k issues an acquire fence
   before it reads the votes word, so it sees the vote of round k (or of
   k + 1 in the other bit). Aligned 8-byte loads and stores are single
   instructions on x86-64 and arm64 (``mov``/``ldr``/``str`` of an aligned
