@@ -169,7 +169,8 @@ class PeerBuffer:
         return verdict
 
     def _view(self, pointers: list[int]) -> None:
-        """The views of the mapped set; made while the daemon collects the votes, dropped if they fail."""
+        """The views of the mapped set: made before the vote on the page, or while the daemon collects
+        the votes; dropped if the commit fails."""
         self._pointers = pointers
         self._local = pointers[self.rank]
         # a view, not an owner: close() unmaps the memory under it

@@ -117,7 +117,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        while_draining=False,  # a new set would outlive the drain
        registry=True),
     Op("commit", "Vote that this rank opened every peer's handle (or why it could not); the reply is the "
-       "set's verdict. With `page` true the rank votes on the set's control page as well and waits there: "
+       "set's verdict. With `page` true the rank voted on the set's control page and had the verdict there: "
        "nothing answers it but a refusal.",
        {**_SLOT, "ok": Field(bool), "reason": Field(str, _reason, ""), "timeout": _TIMEOUT,
         "page": Field(bool, None, False)},

@@ -259,7 +259,7 @@ class Rendezvous:
             return [Send(caller, error=error)]
         if bset.state is State.JOINING:
             return [refuse(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has not sent its handles yet")]
-        on_page = req["page"]  # the rank waits on the page for the verdict: no answer here
+        on_page = req["page"]  # the rank voted on the set's page and had its verdict there: no answer here
         if on_page and not self.pages.holds(bset):
             return [refuse(caller, ErrorCode.BAD_REQUEST, f"{bset.label} has no control page to commit on")]
         if bset.commit.result is not None:
@@ -275,7 +275,7 @@ class Rendezvous:
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], None if on_page else caller)
         if bset.commit.result is None:
             if not req["ok"]:  # a no decides the set: fail fast, with its reason
-                out += bset.commit.finish(False, "; ".join(bset.commit.reasons))
+                out += bset.commit.finish(False, bset.commit.reason)
             elif on_page:  # posted after its round on the page agreed: every rank voted yes there
                 out += bset.commit.finish(True, "")
         self._settled(bset)
@@ -293,12 +293,12 @@ class Rendezvous:
                 self.pages.set_failed(bset)
                 log.warning("%s failed its agreement: %s", bset.label, reason)
 
-    def _live_by_page(self, bset: BufferSet) -> Outbox | None:
-        """Before an opening set fails (its commit timed out, a rank died or left unheard): where its
-        commit round on the page agreed, the ranks went on with it, so it is live, whatever posts the
-        daemon has not read (still on their way, or lost with their rank); the answers, else None."""
-        if bset.commit.result is not None or not self.pages.commit_agreed(bset):
-            return None
+    def _fail_opening(self, bset: BufferSet, code: ErrorCode, message: str, now: float | None = None) -> Outbox:
+        """Fail a set whose handles went out and whose commit is open (it timed out, a rank died or
+        left unheard), unless its commit round on the page agreed: the ranks went on with it, whatever
+        posts the daemon has not read (still on their way, or lost with their rank), so it is live."""
+        if not self.pages.commit_agreed(bset):
+            return self._fail(bset, code, message, now=now)
         out = bset.commit.finish(True, "")
         self._settled(bset)
         return out
@@ -306,15 +306,12 @@ class Rendezvous:
     def _commit_due(self, bset: BufferSet, timeout: float) -> Outbox:
         if bset.commit is None or bset.commit.result is not None:
             return []
-        settled = self._live_by_page(bset)
-        if settled is not None:
-            return settled
         missing = bset.commit.missing()
         message = (
             f"agreement of {bset.label} timed out after {timeout:g}s waiting for "
             f"{bset.who(missing)} to open every peer's handle"
         )
-        return self._fail(bset, ErrorCode.TIMEOUT, message)
+        return self._fail_opening(bset, ErrorCode.TIMEOUT, message)
 
     def release(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         bset, error = self._member_set(req, who)
@@ -326,10 +323,8 @@ class Rendezvous:
             return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
         out: Outbox = []
         if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
-            out = self._live_by_page(bset)
-            if out is None:
-                message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
-                out = self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now)
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} released before it mapped its peers"
+            out = self._fail_opening(bset, ErrorCode.GROUP_FAILED, message, now=now)
         return out + [Send(caller, {"freed": self._drop_hold(bset, slot, "released", now)})]
 
     def opened_set(self, req: dict[str, Any], who: Credentials) -> BufferSet:
@@ -451,9 +446,7 @@ class Rendezvous:
                     out += self._fail(bset, ErrorCode.RANK_DIED, message + " before every rank joined", now=now)
                     break
                 if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
-                    settled = self._live_by_page(bset)
-                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers") \
-                        if settled is None else settled
+                    out += self._fail_opening(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")
                 self._drop_hold(bset, slot, "died")
         return out, ranks
 

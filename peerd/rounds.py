@@ -32,8 +32,13 @@ class Round:
         if caller is not None:
             self.waiters[rank] = caller
         if len(self.votes) == self.npes:
-            return self.finish(all(self.votes.values()), "; ".join(self.reasons))
+            return self.finish(all(self.votes.values()), self.reason)
         return []
+
+    @property
+    def reason(self) -> str:
+        """Why the round is False so far: every no vote's reason."""
+        return "; ".join(self.reasons)
 
     def missing(self) -> list[int]:
         return [r for r in range(self.npes) if r not in self.votes]
