@@ -219,6 +219,8 @@ def call(args) -> dict:
 
 
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
+#: steps of the page path only: after its commit vote on the set's control page, before the post
+PAGE_STEPS = ("in_commit_post",)
 
 
 def chaos(args) -> dict:
@@ -244,6 +246,8 @@ def chaos(args) -> dict:
         cache = buffer_module.mappings
         patched = "open" if args.die_at == "after_handles" else "close"
         setattr(cache, patched, die)
+    if args.die_at == "in_commit_post":
+        buffer_module.Connection.post = die
     start, stage, agreed = time.monotonic(), "join", None
     try:
         buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)
@@ -520,7 +524,7 @@ def main() -> None:
     parser.add_argument("--flags", type=int, default=0)
     parser.add_argument("--device", default=None, help="torch device of the buffer (default: the worker's)")
     parser.add_argument("--store", default="")
-    parser.add_argument("--die-at", choices=STEPS, default=None)
+    parser.add_argument("--die-at", choices=STEPS + PAGE_STEPS, default=None)
     parser.add_argument("--op", default="ls")
     parser.add_argument("--body", default="{}")
     parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it before any call")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from peerd.pagearea import MEMFD_NAME
-from tests.conftest import Daemon, wait_until
+from tests.conftest import Daemon, finish, start_rank, wait_until
 from tests.integration.test_arenas import SOCKET_GROUP, USER_A, USER_B, users  # noqa: F401 (the fixture)
 
 MEMBER = Path(__file__).resolve().parents[1] / "page_member.py"
@@ -283,6 +283,24 @@ def test_a_rank_killed_while_its_peers_wait_in_the_host_all_reduce_makes_them_ra
     assert [r["value"] for r in ask_all(survivors, "reduce")] == [2.0, 2.0]
     for m in survivors:
         m.end()
+
+
+def test_a_rank_killed_between_its_commit_vote_on_the_page_and_its_post_leaves_a_live_set_that_aborts(daemon):
+    """Its peers' round agreed, so they went on: the set is live (the survivors' posts say so; where
+    none came either, the daemon finds the round agreed on the page: tests/unit/test_pages.py), and
+    the death aborts the group like any member's, never failing the set under built buffers."""
+    group = "killed-posting"
+    procs = [start_rank(daemon, "chaos", r, 3, "--group", group, "--timeout", "4",
+                        *(("--die-at", "in_commit_post") if r == 2 else ())) for r in range(3)]
+    survivors = [finish(p, timeout=60) for p in procs[:2]]
+    assert procs[2].wait(timeout=60) == -signal.SIGKILL, "the victim did not die at its post"
+    for result in survivors:
+        assert (result["stage"], result["agreed"], result["page"]) == ("done", False, True), result
+        assert result["elapsed"] < 4 + 3, result
+    log = daemon.logs()
+    assert f"group={group} name=default live" in log and "before it mapped its peers" not in log, log
+    assert f"rank 2 (pid {procs[2].pid}) of group={group} name=default died" in log, log
+    wait_until(lambda: daemon.segments() == [], 10, "the set to be freed")
 
 
 @pytest.mark.parametrize("lacking, why", [("--no-map", "Cannot allocate memory"),
