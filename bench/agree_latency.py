@@ -159,7 +159,9 @@ def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> d
             "sync": {**C.summary(slowest), "max_start_lag": max((l for r in rounds for _, l in r), default=0.0),
                      "start_lag_p50": C.quantile([max(l for _, l in r) for r in rounds], 0.5),
                      # the round alone: from the latest rank's start until the slowest rank has the answer
-                     "after_latest_start": C.summary([max(e for e, _ in r) - max(l for _, l in r) for r in rounds])},
+                     "after_latest_start": C.summary([max(e for e, _ in r) - max(l for _, l in r) for r in rounds]),
+                     # per round: the slowest rank's time from the common instant, and the latest rank's lag
+                     "samples": slowest, "lags": [max(l for _, l in r) for r in rounds]},
             "per_call": C.summary(pooled[path]),
             "round_period": sum(periods[path]) / len(periods[path]),
         }

@@ -181,8 +181,9 @@ class GroupLink:
         aborted = self.page.aborted()
         if aborted is not None:
             return {"ok": False, "reason": aborted.reason, "aborted": True}
-        return {"ok": False, "reason": f"the commit vote timed out after {timeout:g}s: {verdict.reason}",
-                "aborted": False}
+        # the round's own reason says whether it timed out or a rank voted no
+        return {"ok": False, "reason": f"the commit vote on the control page failed (waited at most {timeout:g}s): "
+                                       f"{verdict.reason}", "aborted": False}
 
     def choose(self) -> None:
         """After the commit verdict: keep the page only if every rank mapped it."""

@@ -238,3 +238,25 @@ def test_a_signal_handler_that_raises_ends_a_wait(pages):
 def test_a_rank_spins_long_only_where_every_rank_can_have_two_cores(monkeypatch):
     monkeypatch.setattr(cp.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert cp.spin_budget(8) == cp.SPIN_OWN_CORE_S > cp.spin_budget(9) == cp.SPIN_SHARED_S
+
+
+def test_a_failed_commit_on_the_page_says_whether_a_rank_voted_no_or_the_round_timed_out(pages):
+    from peerd_client.pagelink import GroupLink
+
+    page = pages(2)
+    link = GroupLink(page.instance, 0, 2, "group=g name=n rank 0", agreement_timeout=60)
+    link.page = page
+    peer = PageVoter(twin(page), 1, label="group=g")
+    voted = threading.Thread(target=lambda: peer.agree(False, time.monotonic() + 600))  # garbage from a member
+    voted.start()
+    said_no = link.commit(600)
+    voted.join(60)
+    assert said_no["ok"] is False and said_no["aborted"] is False
+    assert "rank(s) [1] voted no" in said_no["reason"] and "timed out" not in said_no["reason"]
+
+    alone = pages(2)
+    link.page = alone
+    waited = link.commit(0.05)  # rank 1 never votes
+    assert waited["ok"] is False and waited["aborted"] is False
+    assert "failed (waited at most 0.05s)" in waited["reason"]
+    assert "timed out waiting for rank(s) [1]" in waited["reason"]
