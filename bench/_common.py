@@ -15,6 +15,7 @@ machine shares, so a "common start" is one instant every worker sleeps until.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import datetime as _dt
 import json
@@ -153,6 +154,21 @@ def measure_each_n(name: str, info: dict, args, measure) -> None:
             print(f"N={npes}: done in {time.monotonic() - t0:.1f}s", flush=True)
             save(name, info, args.out, quiet=True)
         info["daemon_exit"] = daemon.stop()
+
+
+def setup_parser(doc: str, ranks: str, iters: int, warmup: int, lead: float, timeout: float,
+                 nbytes_help: str) -> argparse.ArgumentParser:
+    """The options of the benchmarks that time a setup from a common start (setup_latency, rendezvous_floor)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
+    parser.add_argument("--ranks", default=ranks, help="comma-separated N values")
+    parser.add_argument("--iters", type=int, default=iters, help="measured iterations per path and N")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--nbytes", type=int, default=None, help=nbytes_help)
+    parser.add_argument("--lead", type=float, default=lead, help="seconds from the barrier to the common start")
+    parser.add_argument("--timeout", type=float, default=timeout)
+    parser.add_argument("--out", default=None, help="JSON file or folder (default bench/results/)")
+    return parser
 
 
 def parse_ints(text: str) -> list[int]:

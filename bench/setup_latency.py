@@ -29,7 +29,6 @@ peerd / seed; writes the samples as JSON (bench/results/ by default).
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import os
 import sys
@@ -184,15 +183,8 @@ def measure(npes: int, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["host", "cuda"], default="host")
-    parser.add_argument("--ranks", default="2,4,8", help="comma-separated N values")
-    parser.add_argument("--iters", type=int, default=20, help="measured iterations per path and N")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--nbytes", type=int, default=None, help="bytes per rank (default 1 MiB host, 2 MiB cuda)")
-    parser.add_argument("--lead", type=float, default=0.03, help="seconds from the barrier to the common start")
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--out", default=None, help="JSON file or folder (default bench/results/)")
+    parser = C.setup_parser(__doc__, ranks="2,4,8", iters=20, warmup=2, lead=0.03, timeout=900,
+                            nbytes_help="bytes per rank (default 1 MiB host, 2 MiB cuda)")
     args = parser.parse_args()
     args.nbytes = args.nbytes or (2 * C.MiB if args.backend == "cuda" else C.MiB)
 
