@@ -69,7 +69,8 @@ class ArenaMemory(MemoryBackend):
         placement: Placement = allocation.token
         with self._lock:
             self.arenas.release(placement, time.monotonic())
-            self._wake.notify()
+            if placement.chunk.empty_since is not None:  # only an emptied chunk brings the next sweep nearer:
+                self._wake.notify()  # waking the sweeper on every free made the loop wait for the lock
 
     def fd(self, allocation: Allocation) -> int | None:
         return self.chunks.chunk_fd(allocation.token.chunk.token)
