@@ -32,8 +32,12 @@ life, which call it through these hooks:
 Areas are per (owner uid, group, page size): a process is handed only its
 own group's areas, so it can touch the pages of its group's other sets and
 of no other group's (Note [Control page layout], Trust). An area whose slots are
-all free and whose processes all exited is closed; a member's mapping keeps
-its memory alive anyway, so nothing is freed under anyone.
+all free is closed once its processes all exited; while one lives, the area is
+kept as a spare for the group's next set, which its members then need not
+fetch nor register again, but only SPARE_AREAS_PER_UID of them per uid (the
+oldest spare closes first), so a process cycling through group names cannot
+make the daemon hold an fd and a mapping per group it ever used. A member's
+mapping keeps an area's memory alive anyway, so nothing is freed under anyone.
 
 ``shutdown()`` aborts every page (SHUTDOWN) and closes the areas. The first
 abort of a page wins: its reason is the cause, not the aftermath.
@@ -61,6 +65,9 @@ from .pagearea import AREA_PAGES, Area
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")
+
+#: areas with every slot free kept open per uid while a process they were handed lives (see above)
+SPARE_AREAS_PER_UID = 16
 
 #: seconds a released rank's peers may still hold its set before their page is aborted; see Note [A
 #: leaving rank aborts late]
@@ -99,10 +106,12 @@ class _Area:
     free: list[int]  # offsets of free slots, the lowest last (taken first)
     retired: dict[int, set[int]] = field(default_factory=dict)  # offset -> live pids: Note [A slot outlives ...]
     mappers: set[int] = field(default_factory=set)  # live pids a page of it was placed for
+    closed: bool = False
 
     @property
-    def idle(self) -> bool:
-        return len(self.free) == AREA_PAGES and not self.mappers
+    def unused(self) -> bool:
+        """Every slot free: no set's page in it, none retired."""
+        return len(self.free) == AREA_PAGES
 
 
 @dataclass
@@ -124,6 +133,7 @@ class Pages:
         self._pages: dict[int, _Entry] = {}
         self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
         self._area_ids = itertools.count(1)
+        self._spares: dict[int | None, dict[int, _Area]] = {}  # uid -> its unused areas still mapped, oldest first
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
     # ------------------------------------------------------------ placing, and the fd channel
@@ -139,6 +149,7 @@ class Pages:
         except (PageError, OSError) as err:
             log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
             return None
+        self._spares.get(bset.owner_uid, {}).pop(area.id, None)
         offset = area.free.pop()
         page = area.area.page_at(offset, size)
         page.format(bset.npes, self.instance, bset.id)
@@ -228,7 +239,7 @@ class Pages:
                      sorted(entry.evicted_from))
         else:
             area.free.append(entry.offset)
-        self._close_if_idle(area)
+        self._settle(area)
 
     def process_gone(self, pid: int) -> None:
         """A process exited, and its mappings with it: the slots and areas it kept may go."""
@@ -241,17 +252,34 @@ class Pages:
                     area.free.append(offset)
                     log.info("control page at offset %d of area %d is free again: every process its evicted set "
                              "was handed to exited", offset, area.id)
-            self._close_if_idle(area)
+            self._settle(area)
 
-    def _close_if_idle(self, area: _Area) -> None:
-        if area.idle:
-            areas = self._areas[(area.owner, area.page_size)]
-            areas.remove(area)
-            if not areas:
-                del self._areas[(area.owner, area.page_size)]
-            area.area.close()
-            log.info("control page area %d of group %s of uid %s closed: every page free, every process gone",
-                     area.id, area.owner[1], area.owner[0])
+    def _settle(self, area: _Area) -> None:
+        """An unused area closes once no process it was handed lives, else it waits as one of its uid's
+        spares; past SPARE_AREAS_PER_UID of them the oldest closes, its members' mappings living on."""
+        if area.closed or not area.unused:
+            return
+        if not area.mappers:
+            self._close(area, "every page free, every process gone")
+            return
+        spares = self._spares.setdefault(area.owner[0], {})
+        spares.setdefault(area.id, area)
+        while len(spares) > SPARE_AREAS_PER_UID:
+            self._close(next(iter(spares.values())), f"the oldest of more than {SPARE_AREAS_PER_UID} unused areas "
+                        "of its uid (its members' mappings keep their memory)")
+
+    def _close(self, area: _Area, why: str) -> None:
+        areas = self._areas[(area.owner, area.page_size)]
+        areas.remove(area)
+        if not areas:
+            del self._areas[(area.owner, area.page_size)]
+        spares = self._spares.get(area.owner[0], {})
+        spares.pop(area.id, None)
+        if not spares:
+            self._spares.pop(area.owner[0], None)
+        area.area.close()
+        area.closed = True
+        log.info("control page area %d of group %s of uid %s closed: %s", area.id, area.owner[1], area.owner[0], why)
 
     def shutdown(self) -> None:
         """Abort every page and close every area; members see the alive pipe close too."""
@@ -262,6 +290,7 @@ class Pages:
                 area.area.close()
         self._pages.clear()
         self._areas.clear()
+        self._spares.clear()
         for fd in (self._alive_r, self._alive_w):
             if fd >= 0:
                 os.close(fd)

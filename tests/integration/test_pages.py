@@ -313,3 +313,33 @@ def test_a_rank_that_cannot_use_the_page_takes_its_whole_group_to_the_message_pa
     unmapped, mapped = [m.end() for m in members]
     assert unmapped.count("has no control page") == 1 and why in unmapped, unmapped
     assert "has no control page" not in mapped, mapped
+
+
+CYCLE_GROUPS = """
+import sys
+from peerd_client import PeerBuffer
+for i in range(int(sys.argv[1])):
+    PeerBuffer(4096, f"cycle-{i}", 0, 1).close()
+print("DONE", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_process_cycling_through_group_names_leaves_the_daemon_a_few_areas_not_one_per_group(daemon):
+    """A live process keeps each of its groups' areas mapped, but the daemon keeps only SPARE_AREAS_PER_UID
+    unused ones open per uid: cycling group names cannot make it hold an fd and a mapping per group."""
+    from peerd.pages import SPARE_AREAS_PER_UID
+
+    groups = SPARE_AREAS_PER_UID * 3
+    cycler = subprocess.Popen([sys.executable, "-c", CYCLE_GROUPS, str(groups)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=daemon.env())
+    try:
+        assert cycler.stdout.readline().strip() == "DONE"
+        assert pages_held(daemon.proc.pid) == SPARE_AREAS_PER_UID, "one area per group was left open"
+        maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+        assert maps.count(f"/memfd:{MEMFD_NAME}") == SPARE_AREAS_PER_UID
+        assert daemon.segments() == [], "every set was freed"
+    finally:
+        cycler.stdin.close()
+        cycler.wait(30)
+    wait_until(lambda: pages_held(daemon.proc.pid) == 0, 10, "the daemon to close its spares once the process exits")

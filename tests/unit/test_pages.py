@@ -10,7 +10,7 @@ import pytest
 from peerd import controlpage as cp
 from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
 from peerd.pagearea import AREA_PAGES, Area
-from peerd.pages import LEAVE_GRACE_S, Pages
+from peerd.pages import LEAVE_GRACE_S, SPARE_AREAS_PER_UID, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory, agree, bodies, commit, errors, join, release, who
@@ -273,6 +273,32 @@ def test_an_area_is_closed_once_every_slot_is_free_and_every_process_it_was_hand
     assert pages.areas == 1
     pages.process_gone(101)
     assert pages.areas == 0
+
+
+def test_a_process_cycling_through_group_names_keeps_only_a_few_unused_areas_open(reg, pages, caplog):
+    """Each group's area stays open for its next set while the process lives, but per uid only
+    SPARE_AREAS_PER_UID unused ones: the oldest closes, so no fd and mapping per group ever used."""
+    caplog.set_level(logging.INFO, logger="peerd.pages")
+    areas = {}
+    for k in range(SPARE_AREAS_PER_UID + 5):
+        bset, location = opened(reg, 1, pids=(100,), group=f"g{k}", uid=1000)
+        areas[k] = location[0]
+        reg.release(("r", 0), who(100, 1000), {"group": f"g{k}", "name": "n", "rank": 0}, 0.0)
+    assert pages.areas == SPARE_AREAS_PER_UID
+    assert "the oldest of more than" in caplog.text
+    newest, oldest = SPARE_AREAS_PER_UID + 4, 0
+    assert opened(reg, 1, pids=(100,), group=f"g{newest}", uid=1000)[1][0] == areas[newest], \
+        "a recent group's next set reuses the area its process maps"
+    assert opened(reg, 1, pids=(100,), group=f"g{oldest}", uid=1000)[1][0] not in areas.values(), \
+        "the oldest group's area was closed: its next set gets a new one"
+    for k in (newest, oldest):
+        reg.release(("r", 0), who(100, 1000), {"group": f"g{k}", "name": "n", "rank": 0}, 0.0)
+    assert pages.areas == SPARE_AREAS_PER_UID
+    opened(reg, 1, pids=(200,), group="other", uid=2000)
+    reg.release(("r", 0), who(200, 2000), {"group": "other", "name": "n", "rank": 0}, 0.0)
+    assert pages.areas == SPARE_AREAS_PER_UID + 1, "another uid's spare is not counted against this one's"
+    pages.process_gone(200)
+    assert pages.areas == SPARE_AREAS_PER_UID
 
 
 def test_on_the_message_path_a_vote_after_an_eviction_is_false_until_the_pid_joins_again(reg):
