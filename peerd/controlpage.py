@@ -178,7 +178,10 @@ when it is about to fail a set still opening (``close_round``): where it
 says AGREED the set goes live instead, which a member could forge only
 for its own group; it writes a few words and trusts nothing else there.
 The area is sealed against resizing (a shrunk memfd would SIGBUS the
-daemon and the peers).
+daemon and the peers). Nor does anyone count ranks by the header once the
+page is found: a member checks ``npes`` against its group's then (``hold``),
+and loops over slots by that number, so a member rewriting the word later
+cannot send a peer's loop past the page.
 """
 
 from __future__ import annotations
@@ -304,6 +307,7 @@ class ControlPage:
     def __init__(self, address: int, size: int):
         self.address, self.size = address, size
         self._words: dict[int, ctypes.c_uint64] = {}
+        self._npes: int | None = None  # once checked or written: see ``npes``
 
     def format(self, npes: int, instance: int, generation: int) -> None:
         """Zero the page and write its header (the daemon, placing a set in a free slot)."""
@@ -312,6 +316,7 @@ class ControlPage:
         if page_bytes(npes) > self.size:
             raise ValueError(f"a page of npes={npes} needs {page_bytes(npes)} bytes, the slot holds {self.size}")
         ctypes.memset(self.address, 0, self.size)  # magic too: the header counts only once magic shows again
+        self._npes = npes
         for offset, value in ((OFF_VERSION, VERSION), (OFF_INSTANCE, instance), (OFF_NPES, npes),
                               (OFF_GENERATION, generation)):
             self.word(offset).value = value
@@ -334,7 +339,13 @@ class ControlPage:
 
     @property
     def npes(self) -> int:
-        return self.word(OFF_NPES).value
+        """The header's npes until it was checked against the group's (``hold``) or written (``format``);
+        that value after: a member may rewrite the header, and a loop over its word could run past the page."""
+        return self.word(OFF_NPES).value if self._npes is None else self._npes
+
+    def hold(self, npes: int) -> None:
+        """The header says ``npes``, as the group does: from now on every count of ranks is that one."""
+        self._npes = npes
 
     @property
     def generation(self) -> int:

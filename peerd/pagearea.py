@@ -95,6 +95,7 @@ class Area:
             page.check_instance(instance)
         if generation is not None and page.generation != generation:
             raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
+        page.hold(npes)
         return page
 
     def close(self) -> None:

@@ -260,3 +260,21 @@ def test_a_failed_commit_on_the_page_says_whether_a_rank_voted_no_or_the_round_t
     assert waited["ok"] is False and waited["aborted"] is False
     assert "failed (waited at most 0.05s)" in waited["reason"]
     assert "timed out waiting for rank(s) [1]" in waited["reason"]
+
+
+def test_a_member_rewriting_npes_after_the_check_changes_no_count_of_ranks(pages):
+    """A member's garbage in the header's npes word, written after a peer checked the page, must not
+    make that peer walk slots past the page (it crashed the peer with SIGSEGV)."""
+    page = pages(2)
+    member = twin(page)  # checked against the group's npes when found, as a joining rank does
+    page.word(cp.OFF_NPES).value = 1 << 40  # the other member's garbage
+    assert member.npes == 2 and member.unmapped() == [0, 1]
+    voter = PageVoter(member, 1, label="group=g")
+    assert voter.agree(True, time.monotonic() + 0.05) == cp.Verdict(
+        False, "agreement round 1 of group=g timed out waiting for rank(s) [0]")
+    fresh = Area.attach(os.dup(page.fd))
+    try:
+        with pytest.raises(PageError, match="npes=1099511627776, this group has npes=2"):
+            fresh.page(0, 2, instance=page.instance)  # a rank that finds it only now refuses it
+    finally:
+        fresh.close()
