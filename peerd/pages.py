@@ -224,6 +224,7 @@ class Pages:
         slot waits for its processes. See Note [A slot outlives its evicted set]."""
         entry = self._pages.get(bset.id)
         if entry is not None:
+            entry.page.close_round(COMMIT_ROUND)  # an opening set's commit ends False on the page, as by message
             self._abort_entry(entry, AbortCode.EVICTED, f"{bset.label} was evicted by an administrator")
             entry.evicted_from = {s.pid for s in bset.slots.values()} & entry.area.mappers
 
@@ -284,6 +285,7 @@ class Pages:
     def shutdown(self) -> None:
         """Abort every page and close every area; members see the alive pipe close too."""
         for entry in self._pages.values():
+            entry.page.close_round(COMMIT_ROUND)  # as for an eviction
             self._abort_entry(entry, AbortCode.SHUTDOWN, "the peerd daemon is shutting down")
         for areas in self._areas.values():
             for area in areas:

@@ -134,6 +134,28 @@ def test_shutdown_aborts_every_page_and_closes_the_areas(reg, pages):
     assert view.aborted().code == AbortCode.SHUTDOWN and (len(pages), pages.areas) == (0, 0)
 
 
+@pytest.mark.parametrize("end", ["evict", "shutdown"])
+def test_an_eviction_or_a_shutdown_closes_an_opening_sets_commit_round_before_it_aborts(reg, pages, end):
+    """The message ranks hear a failure; a page rank that wakes with every slot voted must not settle the
+    round AGREED after the daemon gave up on the set, so the daemon settles it first (ABORTED)."""
+    out = join(reg, 0) + join(reg, 1)
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
+    reg.evict("g", None) if end == "evict" else pages.shutdown()
+    entry = cp.decode_verdict(view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value)
+    assert entry[1:] == (cp.Outcome.ABORTED, cp.DAEMON_RANK), "no rank can pass round 1 now"
+    assert view.aborted().code == (AbortCode.EVICTED if end == "evict" else AbortCode.SHUTDOWN)
+
+
+def test_an_eviction_of_a_live_set_leaves_its_agreed_commit_round_as_it_was(reg, pages):
+    bset, location = opened(reg)
+    view = member_view(pages, bset, location)
+    agreed = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 1)
+    view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = agreed  # as the ranks settled it
+    reg.evict("g", None)
+    assert view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value == agreed
+
+
 def test_a_page_that_cannot_be_made_leaves_the_set_without_one_with_one_warning(reg, pages, monkeypatch, caplog):
     def no_memfd(*args, **kwargs):
         raise PageError("memfd_create failed: [Errno 24] Too many open files")
