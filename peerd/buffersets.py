@@ -204,7 +204,11 @@ class SetIndex:
 
     def sets_counted_toward_max_groups(self) -> int:
         """Buffer sets that count against --max-groups: all but failed ones nobody holds (kept verdicts)."""
-        return sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in self.all())
+        return sum(map(_counted, self.all()))
+
+    def sets_of_uid_counted(self, uid: int | None) -> int:
+        """``uid``'s sets that count against --max-groups-per-uid, as above."""
+        return sum(_counted(b) for b in self.all() if b.owner_uid == uid)
 
     def listing(self, now: float, uid: int | None, every: bool) -> list[dict[str, Any]]:
         """One entry per buffer set of ``uid``'s namespace (of every one if ``every``), sorted by group, name, uid."""
@@ -232,3 +236,8 @@ class SetIndex:
         self.current.clear()
         self.retired.clear()
         self._by_group.clear()
+
+
+def _counted(bset: BufferSet) -> bool:
+    """Whether a set counts against the set limits: a failed one only while some rank holds it."""
+    return bset.state is not State.FAILED or bool(bset.holding_slots())

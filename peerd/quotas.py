@@ -42,6 +42,7 @@ class Limits:
     max_bytes_per_device: int | None = None
     max_groups: int | None = 4096
     max_ranks: int | None = 1024
+    max_groups_per_uid: int | None = 1024  # a share of max_groups: no one user can take every set
 
 
 def tally(table: dict[Any, int], key: Hashable, delta: int) -> None:
@@ -73,9 +74,13 @@ class Quotas:
                     f"{lim.max_buffer_bytes} bytes ({human(lim.max_buffer_bytes)}) per buffer (--max-buffer-bytes)")
         return None
 
-    def sets_refusal(self, kept: int, group: str, name: str) -> str | None:
-        """Why a new buffer set of ``group``/``name`` may not be kept beside ``kept`` others."""
-        limit = self.limits.max_groups
+    def sets_refusal(self, kept: int, kept_by_uid: int, uid: int | None, group: str, name: str) -> str | None:
+        """Why a new buffer set of ``group``/``name`` may not be kept beside ``kept`` others, ``kept_by_uid``
+        of them ``uid``'s."""
+        limit, share = self.limits.max_groups, self.limits.max_groups_per_uid
+        if share is not None and kept_by_uid >= share:
+            return (f"uid {uid} already holds {kept_by_uid} buffer sets (--max-groups-per-uid {share}); a new "
+                    f"group={group} name={name} must wait for one of its sets to be freed")
         if limit is not None and kept >= limit:
             return (f"the daemon already holds {limit} buffer sets (--max-groups {limit}); "
                     f"a new group={group} name={name} must wait for one to be freed")

@@ -100,7 +100,7 @@ class Rendezvous:
                 return None, [refused]
             bset = None
         if bset is None:
-            refusal = self._quotas.sets_refusal(self.index.sets_counted_toward_max_groups(), key[1], key[2])
+            refusal = self._room_refusal(key)
             if refusal:
                 return None, [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
@@ -156,8 +156,7 @@ class Rendezvous:
                 return [refused]
             bset = None
         if bset is None:
-            kept = sum(b.owner_uid == who.uid for b in self.index.current.values())
-            if self._quotas.sets_refusal(kept, key[1], key[2]):
+            if self._room_refusal(key):
                 return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
             bset = self._new_set(key, npes, 0, 0, now)
         bset.told.add(rank)
@@ -179,6 +178,11 @@ class Rendezvous:
         if len(bset.told) == bset.npes:
             self._forget(bset)
         return Send(caller, error=bset.failure)
+
+    def _room_refusal(self, key: SetKey) -> str | None:
+        """Why the daemon may not keep one more set, of ``key``'s uid: its share, or the total."""
+        return self._quotas.sets_refusal(self.index.sets_counted_toward_max_groups(),
+                                         self.index.sets_of_uid_counted(key[0]), *key)
 
     def _new_set(self, key: SetKey, npes: int, nbytes: int, flags: int, now: float) -> BufferSet:
         """A rendezvous for ``key``, now the key's current set."""

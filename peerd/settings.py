@@ -119,6 +119,8 @@ OPTIONS = (
     Option("arena_idle_s", click.FloatRange(min=0), DEFAULT_IDLE_S,
            "Seconds a chunk stays empty before it goes back to the driver."),
     Option("max_groups", click.IntRange(min=1), Limits.max_groups, "Most buffer sets held at once."),
+    Option("max_groups_per_uid", click.IntRange(min=1), Limits.max_groups_per_uid,
+           "Most buffer sets one uid may hold at once (its share of --max-groups)."),
     Option("max_ranks", click.IntRange(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
     Option("max_connections", click.IntRange(min=1), default_max_connections, "Most client connections held at "
            f"once; more are shut down at once [default: what the hard fd limit carries, at most "
@@ -154,6 +156,7 @@ class Settings:
     arena_idle_s: float = DEFAULT_IDLE_S
     max_groups: int = Limits.max_groups
     max_ranks: int = Limits.max_ranks
+    max_groups_per_uid: int = Limits.max_groups_per_uid
     max_connections: int = field(default_factory=default_max_connections)
     max_connections_per_uid: int = DEFAULT_CONNECTIONS_PER_UID
     shutdown_grace: float = SHUTDOWN_GRACE_S
@@ -163,7 +166,7 @@ class Settings:
     @property
     def limits(self) -> Limits:
         return Limits(self.max_buffer_bytes or None, self.max_bytes_per_uid or None,
-                      self.max_bytes_per_device or None, self.max_groups, self.max_ranks)
+                      self.max_bytes_per_device or None, self.max_groups, self.max_ranks, self.max_groups_per_uid)
 
     @property
     def arena(self) -> ArenaSettings:

@@ -136,13 +136,25 @@ def test_a_partial_frame_is_dropped_at_its_header(procs, socket_dir, users):
 
 def test_a_client_that_does_not_read_cannot_make_the_daemon_queue_its_replies(procs, socket_dir, users):
     """Item 7: a client with a receive high-water mark of 1 sends 300 `ls` while thousands of sets exist."""
-    d = start_daemon(procs, socket_dir)
+    d = start_daemon(procs, socket_dir, "--max-groups-per-uid", str(SETS))
     holder, _ = flood(procs, d, "sets", users[FLOODER], SETS)
     reader, _ = flood(procs, d, "ls", users[FLOODER], 300)
     assert_served(d, users, "beside-ls")
     wait_until(lambda: json.loads(status_as(d, users[BYSTANDER]).stdout)["replies_dropped"] > 0, 30,
                "replies the flooder does not read to be dropped")
     end(d, reader, holder)
+
+
+def test_one_user_holding_its_share_of_the_sets_leaves_the_rest_to_the_others(procs, socket_dir, users):
+    """A user who holds as many sets as it may (--max-groups-per-uid) is refused one more, naming the flag,
+    while another user still gets sets: one uid cannot take every set the daemon keeps (--max-groups)."""
+    d = start_daemon(procs, socket_dir, "--max-groups", "80", "--max-groups-per-uid", "64")
+    holder, _ = flood(procs, d, "sets", users[FLOODER], 64)
+    (refused,) = run_ranks(d, "join", 1, "--group", "one-more", "--as-user", users[FLOODER])
+    assert not refused["ok"] and refused["code"] == "LIMIT_EXCEEDED", refused
+    assert "already holds 64 buffer sets (--max-groups-per-uid 64)" in refused["message"], refused
+    assert_served(d, users, "beside-sets")
+    end(d, holder)
 
 
 def test_a_flood_of_requests_does_not_starve_other_users(procs, socket_dir, users):
@@ -155,7 +167,7 @@ def test_a_flood_of_requests_does_not_starve_other_users(procs, socket_dir, user
 
 def test_ls_and_evict_page_through_thousands_of_sets_with_the_longest_keys(procs, socket_dir, users):
     """Item 10: one uid holding sets with maximum-length keys; one reply would exceed the client's 1 MiB."""
-    d = start_daemon(procs, socket_dir)
+    d = start_daemon(procs, socket_dir, "--max-groups-per-uid", str(SETS))
     holder, _ = flood(procs, d, "sets", users[FLOODER], SETS)
     listing = d.cli("ls", "--json", timeout=120)
     assert listing.returncode == 0, listing.stderr

@@ -317,6 +317,22 @@ def test_limits_refuse_before_allocating(mem):
     assert "already holds 2 buffer sets" in third.message
 
 
+def test_one_uid_holds_at_most_its_share_of_the_sets_and_the_others_still_get_theirs(mem):
+    reg = Registry(mem.allocate, mem.free, limits=Limits(max_groups=4, max_groups_per_uid=2))
+    body = {"group": "g", "name": "n", "rank": 0, "npes": 1, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    for name in ("a", "b"):
+        assert bodies(reg.join(("e", name), who(100, 7), {**body, "name": name}, 0.0)), "within its share"
+    over = errors(reg.join(("e", "c"), who(100, 7), {**body, "name": "c"}, 0.0))[("e", "c")]
+    assert over.code is ErrorCode.LIMIT_EXCEEDED
+    assert over.message == ("uid 7 already holds 2 buffer sets (--max-groups-per-uid 2); a new group=g name=c "
+                            "must wait for one of its sets to be freed")
+    assert bodies(reg.join(("o", 0), who(200, 8), body, 0.0)), "another uid still gets a set"
+    withdrawn = reg.withdraw(("e", "w"), who(100, 7), {"group": "w", "name": "n", "rank": 0, "npes": 2,
+                                                       "reason": "no GPU"}, 0.0)
+    assert bodies(withdrawn) == {("e", "w"): {}} and (7, "w", "n") not in reg.sets, \
+        "no room within its share to keep a withdrawal's verdict either"
+
+
 def test_each_uid_has_its_own_key_namespace(reg):
     """A user who takes another's key gets a group of her own: she can neither block nor touch the first."""
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
