@@ -12,10 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 
 log = logging.getLogger("peerd.liveness")
 
 POLL_INTERVAL = 0.2
+
+#: live processes of one uid the daemon watches at most by default (--max-processes-per-uid): a
+#: pidfd each, so a user starting processes that each join or vote once cannot spend the daemon's
+#: fds (64 connections per uid by default: this leaves room for processes that closed theirs)
+MAX_PIDS_PER_UID = 256
 
 
 def pid_alive(pid: int) -> bool:
@@ -29,18 +35,28 @@ def pid_alive(pid: int) -> bool:
 
 
 class PidWatcher:
-    def __init__(self) -> None:
+    def __init__(self, max_per_uid: int = MAX_PIDS_PER_UID) -> None:
         self.fds: dict[int, int] = {}  # pidfd -> pid
-        self._pids: set[int] = set()
+        self._uid_of: dict[int, int | None] = {}  # every pid watched -> its uid
+        self._per_uid: Counter[int | None] = Counter()
+        self.max_per_uid = max_per_uid
         self.polling = not hasattr(os, "pidfd_open")
         self._dead: list[int] = []
         self._next_poll = 0.0
 
-    def watch(self, pid: int) -> int | None:
-        """Start watching pid; the new pidfd to poll, if one was made."""
-        if pid in self._pids:
+    def refusal(self, pid: int, uid: int | None) -> str | None:
+        """Why ``pid`` may not be watched: its uid has MAX_PIDS_PER_UID live processes watched already."""
+        if pid in self._uid_of or self._per_uid[uid] < self.max_per_uid:
             return None
-        self._pids.add(pid)
+        return (f"uid {uid} already has {self._per_uid[uid]} live processes holding or waiting on something in the "
+                f"daemon (at most {self.max_per_uid}); pid {pid} must wait until some of them exit")
+
+    def watch(self, pid: int, uid: int | None) -> int | None:
+        """Start watching pid (``refusal`` said yes); the new pidfd to poll, if one was made."""
+        if pid in self._uid_of:
+            return None
+        self._uid_of[pid] = uid
+        self._per_uid[uid] += 1
         if self.polling:
             return None
         try:
@@ -59,7 +75,7 @@ class PidWatcher:
         """The pid behind a readable pidfd, which is closed and forgotten."""
         pid = self.fds.pop(fd)
         os.close(fd)
-        self._pids.discard(pid)
+        self._forget(pid)
         return pid
 
     def sweep(self) -> list[int]:
@@ -68,13 +84,20 @@ class PidWatcher:
         now = time.monotonic()
         if self.polling and now >= self._next_poll:  # not on every message: once per interval
             self._next_poll = now + POLL_INTERVAL
-            dead += [pid for pid in self._pids - set(self.fds.values()) if not pid_alive(pid)]
+            dead += [pid for pid in self._uid_of.keys() - set(self.fds.values()) if not pid_alive(pid)]
         for pid in dead:
-            self._pids.discard(pid)
+            self._forget(pid)
         return dead
+
+    def _forget(self, pid: int) -> None:
+        uid = self._uid_of.pop(pid, None)
+        self._per_uid[uid] -= 1
+        if not self._per_uid[uid]:
+            del self._per_uid[uid]
 
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
-        self._pids.clear()
+        self._uid_of.clear()
+        self._per_uid.clear()

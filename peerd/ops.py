@@ -52,7 +52,10 @@ class Op:
     errors: tuple[ErrorCode, ...] = ()  # beyond COMMON_ERRORS
     admin_only: bool = False  # root and the daemon's uid only: it reaches every uid's groups
     while_draining: bool = True  # served after SIGTERM, while held buffers are given back
-    registry: bool = False  # served by Registry.<name> (the daemon watches the caller's pid first), else by the daemon
+    registry: bool = False  # served by Registry.<name>, else by the daemon
+    #: the caller may be left holding or waiting on something, whose death the daemon must see: it watches the
+    #: caller's pid first (a pidfd, at most --max-processes-per-uid live ones per uid: LIMIT_EXCEEDED past that)
+    watches: bool = False
 
     def answers(self, code: ErrorCode) -> bool:
         return code in COMMON_ERRORS or code in self.errors
@@ -115,7 +118,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
         "page": Field(list, _page, None)},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain
-       registry=True),
+       registry=True, watches=True),
     Op("commit", "Vote that this rank opened every peer's handle (or why it could not); the reply is the "
        "set's verdict. With `page` true the rank voted on the set's control page and had the verdict there: "
        "nothing answers it but a refusal.",
@@ -140,7 +143,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        {"group": _GROUP, "rank": _RANK, "npes": _NPES, "ok": Field(bool), "timeout": _TIMEOUT},
        _VERDICT,
        errors=(E.RANK_INVALID, E.NOT_MEMBER, E.MISMATCH, E.LIMIT_EXCEEDED, E.SHUTTING_DOWN),
-       registry=True),
+       registry=True, watches=True),
     Op("evict", "Free a stuck group by force, whoever holds it; name null: every set of it; uid null: that "
        "group in every uid's namespace.",
        {"group": _GROUP, "name": Field((str, type(None)), lambda v: None if v is None else key(v), None),

@@ -105,7 +105,7 @@ class Daemon:
         )
         self.started = time.monotonic()
         self._lock = SocketLock(lock_path(self.socket_path))
-        self._watcher = PidWatcher()
+        self._watcher = PidWatcher(settings.max_processes_per_uid)
         self._stopping = False
         self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
         self._signals: list[int] = []
@@ -215,6 +215,7 @@ class Daemon:
         ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
         self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
         self._guard.limits = self.settings.connection_limits
+        self._watcher.max_per_uid = self.settings.max_processes_per_uid
         self._refused.clear()
         log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
                     f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
@@ -389,16 +390,21 @@ class Daemon:
         return member_fds(self.registry, self.backend, self.pages, self.allowlist, Credentials(uid, gid, pid), request)
 
     def _handler(self, op: Op) -> Handler:
-        """The op's handler, as its record says: Registry.<name>, after watching the caller's pid so its
-        death is seen (the caller's uid picks its key namespace), else the daemon's own _serve_<name>."""
+        """The op's handler, as its record says: Registry.<name> (the caller's uid picks its key namespace),
+        after watching the caller's pid where the op may leave it holding or waiting on something, so its
+        death is seen; else the daemon's own _serve_<name>."""
         if not op.registry:
             return getattr(self, f"_serve_{op.name}")
         method = getattr(self.registry, op.name)
 
         def handle(caller: Route, who: Credentials, body: dict) -> Outbox:
-            fd = self._watcher.watch(who.pid)
-            if fd is not None:
-                self._poller.register(fd, zmq.POLLIN)
+            if op.watches:
+                refusal = self._watcher.refusal(who.pid, who.uid)
+                if refusal:
+                    return [Send(caller, error=ProtocolError(ErrorCode.LIMIT_EXCEEDED, refusal))]
+                fd = self._watcher.watch(who.pid, who.uid)
+                if fd is not None:
+                    self._poller.register(fd, zmq.POLLIN)
             return method(caller, who, body, time.monotonic())
 
         return handle

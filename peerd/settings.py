@@ -36,6 +36,7 @@ from .connections import (
 )
 from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
 from .backends.arenas import ArenaSettings
+from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
 from .paths import default_socket
 from .protocol import DEFAULT_DEADLINE_S
@@ -127,6 +128,9 @@ OPTIONS = (
            f"{MAX_CONNECTIONS_CEILING}]."),
     Option("max_connections_per_uid", click.IntRange(min=1), DEFAULT_CONNECTIONS_PER_UID,
            f"Most connections one uid may hold at once (a uid the allowlist refuses: {REFUSED_UID_CONNECTIONS})."),
+    Option("max_processes_per_uid", click.IntRange(min=1), MAX_PIDS_PER_UID,
+           "Most live processes of one uid the daemon watches for their death at once (a pidfd each); past "
+           "it, joins and votes of its new processes are refused until some exit."),
     Option("shutdown_grace", click.FloatRange(min=0), SHUTDOWN_GRACE_S,
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
     Option("metrics_port", click.IntRange(min=0, max=65535), 0,
@@ -159,6 +163,7 @@ class Settings:
     max_groups_per_uid: int = Limits.max_groups_per_uid
     max_connections: int = field(default_factory=default_max_connections)
     max_connections_per_uid: int = DEFAULT_CONNECTIONS_PER_UID
+    max_processes_per_uid: int = MAX_PIDS_PER_UID
     shutdown_grace: float = SHUTDOWN_GRACE_S
     metrics_port: int = 0
     control_pages: bool = True

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, local_users, run_ranks, wait_until
+from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
 FLOODER, BYSTANDER, STRANGER, SOCKET_GROUP = "pdf-flood", "pdf-other", "pdf-stranger", "pdf-sock"
@@ -155,6 +155,36 @@ def test_one_user_holding_its_share_of_the_sets_leaves_the_rest_to_the_others(pr
     assert "already holds 64 buffer sets (--max-groups-per-uid 64)" in refused["message"], refused
     assert_served(d, users, "beside-sets")
     end(d, holder)
+
+
+def test_processes_past_the_uids_share_are_not_watched_and_a_bare_request_watches_none(procs, socket_dir, users):
+    """The daemon keeps a pidfd per live process that joined or voted: a user starting processes that each
+    join once gets --max-processes-per-uid of them watched and the next refused (it used to take every fd
+    the daemon had), while a request that leaves nothing behind (a release of nothing) watches no process."""
+    d = start_daemon(procs, socket_dir, "--max-processes-per-uid", "3")
+    status = lambda: json.loads(d.cli("status", "--json").stdout)  # noqa: E731
+    base = status()["clients_watched"]
+    nothing = run_ranks(d, "call", 1, "--op", "release", "--as-user", users[FLOODER],
+                        "--body", json.dumps({"group": "none", "name": "default", "rank": 0}))
+    assert nothing[0]["code"] == "NOT_FOUND" and status()["clients_watched"] == base, nothing
+    holders = [start_rank(d, "join", 0, 1, "--group", f"mine-{i}", "--hold", "-1", "--as-user", users[FLOODER],
+                          stdin=subprocess.PIPE) for i in range(3)]
+    procs.extend(holders)
+    for holder in holders:
+        assert holder.stdout.readline().strip() == "READY"
+    (refused,) = run_ranks(d, "join", 1, "--group", "one-more", "--as-user", users[FLOODER])
+    assert not refused["ok"] and refused["code"] == "LIMIT_EXCEEDED", refused
+    assert "already has 3 live processes" in refused["message"] and "(at most 3)" in refused["message"], refused
+    assert status()["clients_watched"] == base + 3
+    assert_served(d, users, "beside-processes")
+    for holder in holders:
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert finish(holder)["ok"]
+    wait_until(lambda: status()["clients_watched"] == base, 10, "the exited holders to be forgotten")
+    (again,) = run_ranks(d, "join", 1, "--group", "one-more", "--as-user", users[FLOODER])
+    assert again["ok"], again
+    assert d.stop() == 0, d.logs()[-3000:]
 
 
 def test_a_flood_of_requests_does_not_starve_other_users(procs, socket_dir, users):

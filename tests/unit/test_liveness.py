@@ -16,8 +16,8 @@ def _sleeper() -> subprocess.Popen:
 
 def test_a_pidfd_turns_readable_when_the_process_dies():
     watcher, child = PidWatcher(), _sleeper()
-    fd = watcher.watch(child.pid)
-    assert fd is not None and watcher.watch(child.pid) is None, "one pidfd per pid"
+    fd = watcher.watch(child.pid, 1000)
+    assert fd is not None and watcher.watch(child.pid, 1000) is None, "one pidfd per pid"
     assert select.select([fd], [], [], 0)[0] == []
     child.kill()
     child.wait()
@@ -28,7 +28,7 @@ def test_a_pidfd_turns_readable_when_the_process_dies():
 def test_polling_finds_the_dead_where_pidfd_open_is_missing():
     watcher, child = PidWatcher(), _sleeper()
     watcher.polling = True
-    assert watcher.watch(child.pid) is None
+    assert watcher.watch(child.pid, 1000) is None
     assert watcher.sweep() == []
     child.kill()
     child.wait()
@@ -42,5 +42,28 @@ def test_a_pid_already_gone_is_reported_at_once():
     watcher, child = PidWatcher(), _sleeper()
     child.kill()
     child.wait()
-    assert watcher.watch(child.pid) is None
+    assert watcher.watch(child.pid, 1000) is None
     assert watcher.sweep() == [child.pid]
+
+
+def test_a_uid_gets_at_most_its_share_of_watched_processes_and_a_death_frees_a_place():
+    watcher, children = PidWatcher(max_per_uid=2), [_sleeper() for _ in range(3)]
+    try:
+        for child in children[:2]:
+            assert watcher.refusal(child.pid, 1000) is None
+            watcher.watch(child.pid, 1000)
+        assert watcher.refusal(children[0].pid, 1000) is None, "a process already watched is never refused"
+        refused = watcher.refusal(children[2].pid, 1000)
+        assert refused == (f"uid 1000 already has 2 live processes holding or waiting on something in the daemon "
+                           f"(at most 2); pid {children[2].pid} must wait until some of them exit")
+        assert watcher.refusal(children[2].pid, 1001) is None, "another uid has its own share"
+        children[0].kill()
+        children[0].wait()
+        (fd,) = [fd for fd, pid in watcher.fds.items() if pid == children[0].pid]
+        assert select.select([fd], [], [], 5)[0] == [fd] and watcher.died(fd) == children[0].pid
+        assert watcher.refusal(children[2].pid, 1000) is None, "the death gave its place back"
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        watcher.close()
