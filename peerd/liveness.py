@@ -14,6 +14,8 @@ import os
 import time
 from collections import Counter
 
+from .fdroom import FdRoom
+
 log = logging.getLogger("peerd.liveness")
 
 POLL_INTERVAL = 0.2
@@ -35,8 +37,9 @@ def pid_alive(pid: int) -> bool:
 
 
 class PidWatcher:
-    def __init__(self, max_per_uid: int = MAX_PIDS_PER_UID) -> None:
+    def __init__(self, max_per_uid: int = MAX_PIDS_PER_UID, room: FdRoom | None = None) -> None:
         self.fds: dict[int, int] = {}  # pidfd -> pid
+        self.room = room or FdRoom()  # shared with the page areas: peerd.fdroom
         self._uid_of: dict[int, int | None] = {}  # every pid watched -> its uid
         self._per_uid: Counter[int | None] = Counter()
         self.max_per_uid = max_per_uid
@@ -45,8 +48,13 @@ class PidWatcher:
         self._next_poll = 0.0
 
     def refusal(self, pid: int, uid: int | None) -> str | None:
-        """Why ``pid`` may not be watched: its uid has MAX_PIDS_PER_UID live processes watched already."""
-        if pid in self._uid_of or self._per_uid[uid] < self.max_per_uid:
+        """Why ``pid`` may not be watched: its uid has ``max_per_uid`` live processes watched already, or the
+        daemon has no fd left for a pidfd."""
+        if pid in self._uid_of:
+            return None
+        if not self.polling and self.room.full:
+            return self.room.describe()
+        if self._per_uid[uid] < self.max_per_uid:
             return None
         return (f"uid {uid} already has {self._per_uid[uid]} live processes holding or waiting on something in the "
                 f"daemon (at most {self.max_per_uid}); pid {pid} must wait until some of them exit")
@@ -68,6 +76,7 @@ class PidWatcher:
             log.warning("pidfd_open unavailable (%s); checking client pids every %.1fs", err, POLL_INTERVAL)
             self.polling = True
             return None
+        self.room.take()
         self.fds[fd] = pid
         return fd
 
@@ -75,6 +84,7 @@ class PidWatcher:
         """The pid behind a readable pidfd, which is closed and forgotten."""
         pid = self.fds.pop(fd)
         os.close(fd)
+        self.room.give()
         self._forget(pid)
         return pid
 
@@ -98,6 +108,7 @@ class PidWatcher:
     def close(self) -> None:
         for fd in self.fds:
             os.close(fd)
+            self.room.give()
         self.fds.clear()
         self._uid_of.clear()
         self._per_uid.clear()

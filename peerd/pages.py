@@ -61,10 +61,15 @@ from .controlpage import (
     new_instance_id,
     page_bytes,
 )
+from .fdroom import FdRoom
 from .pagearea import AREA_PAGES, Area
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.pages")
+
+#: the share of the daemon's fd room (peerd.fdroom) areas may fill: a group without an area agrees through
+#: messages, but a process the daemon cannot watch cannot join, so the rest is left to the pidfds
+AREAS_FD_SHARE = 0.5
 
 #: areas with every slot free kept open per uid while a process they were handed lives (see above)
 SPARE_AREAS_PER_UID = 16
@@ -127,9 +132,10 @@ class _Entry:
 class Pages:
     """Every control page this daemon run placed, by buffer set id, and the areas holding them."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, room: FdRoom | None = None) -> None:
         self.instance = new_instance_id()  # announced in hello; written into every page
         self.enabled = enabled
+        self._fd_room = room or FdRoom()  # an area's memfd takes a place: peerd.fdroom
         self._pages: dict[int, _Entry] = {}
         self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
         self._area_ids = itertools.count(1)
@@ -162,8 +168,14 @@ class Pages:
         for area in self._areas.get((owner, size), []):
             if area.free:
                 return area
-        area = _Area(next(self._area_ids), owner, size, Area.create(size),
-                     free=list(range(size * (AREA_PAGES - 1), -1, -size)))
+        if not self._fd_room.take(within=AREAS_FD_SHARE):
+            raise PageError(self._fd_room.describe())
+        try:
+            made = Area.create(size)
+        except BaseException:
+            self._fd_room.give()
+            raise
+        area = _Area(next(self._area_ids), owner, size, made, free=list(range(size * (AREA_PAGES - 1), -1, -size)))
         self._areas.setdefault((owner, size), []).append(area)
         log.info("control page area %d made for group %s of uid %s: %d pages of %d bytes", area.id, owner[1],
                  owner[0], AREA_PAGES, size)
@@ -279,6 +291,7 @@ class Pages:
         if not spares:
             self._spares.pop(area.owner[0], None)
         area.area.close()
+        self._fd_room.give()
         area.closed = True
         log.info("control page area %d of group %s of uid %s closed: %s", area.id, area.owner[1], area.owner[0], why)
 
@@ -290,6 +303,7 @@ class Pages:
         for areas in self._areas.values():
             for area in areas:
                 area.area.close()
+                self._fd_room.give()
         self._pages.clear()
         self._areas.clear()
         self._spares.clear()

@@ -27,6 +27,7 @@ from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
+from .fdroom import FdRoom, room_within
 from .handout import member_fds
 from .outbox import Outbox, Send
 from .pages import Pages
@@ -94,7 +95,8 @@ class Daemon:
         self.socket_path = settings.socket
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
-        self.pages = Pages(settings.control_pages)  # a control page per live set, in per-group areas (peerd.pages)
+        self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
+        self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-group areas
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages,
@@ -105,7 +107,7 @@ class Daemon:
         )
         self.started = time.monotonic()
         self._lock = SocketLock(lock_path(self.socket_path))
-        self._watcher = PidWatcher(settings.max_processes_per_uid)
+        self._watcher = PidWatcher(settings.max_processes_per_uid, self._fd_room)
         self._stopping = False
         self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
         self._signals: list[int] = []
@@ -127,7 +129,8 @@ class Daemon:
         except NotASocket:
             self._lock.release()
             raise
-        fd_limit = raise_fd_limit()
+        fd_limit = self._fd_limit = raise_fd_limit()
+        self._fd_room.size = room_within(fd_limit, self.settings.max_connections)
         unsafe = self.settings.connection_limits.unsafe_under(fd_limit)
         if unsafe:
             log.warning("%s", unsafe)
@@ -216,6 +219,7 @@ class Daemon:
         self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
         self._guard.limits = self.settings.connection_limits
         self._watcher.max_per_uid = self.settings.max_processes_per_uid
+        self._fd_room.size = room_within(self._fd_limit, self.settings.max_connections)
         self._refused.clear()
         log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
                     f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
@@ -432,6 +436,7 @@ class Daemon:
             "socket": self.socket_path,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "clients_watched": len(self._watcher.fds),
+            "fd_room": {"size": self._fd_room.size, "used": self._fd_room.used},
             "liveness": "polling" if self._watcher.polling else "pidfd",
             "connections": self._guard.snapshot(),
             "replies_dropped": self._dropped.total,

@@ -11,6 +11,8 @@ way), then keeps it up until it is killed:
   hello    one connection sending `hello` in a tight loop, reading nothing
   sets     holds --count one-rank buffer sets of one group, key and names of the longest
            length allowed (protocol.MAX_KEY_CHARS), through one pipelined connection
+  groups   holds --count one-rank buffer sets, each of a group of its own (a control page
+           area each), through one pipelined connection; READY says how many got a page
 """
 
 from __future__ import annotations
@@ -118,28 +120,47 @@ def _slot(i: int) -> dict:
     return {"group": SETS_GROUP, "name": set_name(i), "rank": 0}
 
 
-def sets(args) -> None:
+def _own_group(i: int) -> dict:
+    return {"group": f"flood-{i}", "name": "n", "rank": 0}
+
+
+def _hold_sets(args, slot) -> list[dict]:
+    """Join and commit --count one-rank sets named by ``slot(i)``; the join replies."""
     sock = _dealer(args)
-    ids = iter(range(1, 2 * args.count + 1))
+    ids, joined = iter(range(1, 2 * args.count + 1)), []
     for start in range(0, args.count, WINDOW):  # pipelined, a window at a time: a client that never
         window = range(start, min(start + WINDOW, args.count))  # reads would get its replies dropped
         for i in window:
-            sock.send(request(next(ids), "join", {**_slot(i), "npes": 1, "nbytes": 1, "device": "host"}))
-        _expect_ok(sock, len(window))
+            sock.send(request(next(ids), "join", {**slot(i), "npes": 1, "nbytes": 1, "device": "host"}))
+        joined += _expect_ok(sock, len(window))
         for i in window:
-            sock.send(request(next(ids), "commit", {**_slot(i), "ok": True}))
+            sock.send(request(next(ids), "commit", {**slot(i), "ok": True}))
         _expect_ok(sock, len(window))
+    return joined
+
+
+def sets(args) -> None:
+    _hold_sets(args, _slot)
     ready(sets=args.count)
     hold()
 
 
-def _expect_ok(sock: zmq.Socket, replies: int) -> None:
+def groups(args) -> None:
+    joined = _hold_sets(args, _own_group)
+    ready(sets=args.count, with_page=sum(body.get("page") is not None for body in joined))
+    hold()
+
+
+def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
+    bodies = []
     for _ in range(replies):
         reply = msgpack.unpackb(sock.recv())
         assert reply["ok"], reply
+        bodies.append(reply["body"])
+    return bodies
 
 
-KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets}
+KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups}
 
 
 def main() -> None:

@@ -187,6 +187,26 @@ def test_processes_past_the_uids_share_are_not_watched_and_a_bare_request_watche
     assert d.stop() == 0, d.logs()[-3000:]
 
 
+def test_control_page_areas_of_many_groups_never_take_the_fds_the_connections_need(procs, socket_dir, users):
+    """Under NOFILE 2048, one user holding 1500 one-rank sets, each of its own group, made the daemon open a
+    page area (an fd) for each until libzmq's next accept met EMFILE and aborted it. The areas now take
+    places in the room the connection caps leave, half of it at most (the rest is the pidfds'): past that,
+    sets go on without a page, on the message path, and other users' processes still join."""
+    d = start_daemon(procs, socket_dir, "--max-connections", "64", "--max-connections-per-uid", "32",
+                     "--max-groups-per-uid", "2000", nofile=2048)
+    room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
+    assert room == {"size": 2048 - 128 - 1024 - 2 * 64, "used": 0}, room
+    holder, held = flood(procs, d, "groups", users[FLOODER], 1500)
+    # an area a group: half the room, less the place the holder's own pidfd took first
+    assert held == {"sets": 1500, "with_page": room["size"] // 2 - 1}, held
+    status = assert_served(d, users, "beside-groups")
+    assert status["fd_room"]["used"] >= room["size"] // 2, status["fd_room"]
+    idle, opened = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
+    assert_served(d, users, "beside-groups-and-idle")
+    assert "every file descriptor its limit leaves beside its connections" in d.logs()
+    end(d, idle, holder)
+
+
 def test_a_flood_of_requests_does_not_starve_other_users(procs, socket_dir, users):
     """Item 8: two processes sending `hello` in a tight loop without reading."""
     d = start_daemon(procs, socket_dir)

@@ -10,6 +10,7 @@ import pytest
 from peerd import controlpage as cp
 from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage, PageError
 from peerd.pagearea import AREA_PAGES, Area
+from peerd.fdroom import FdRoom
 from peerd.pages import LEAVE_GRACE_S, SPARE_AREAS_PER_UID, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
@@ -321,6 +322,22 @@ def test_a_process_cycling_through_group_names_keeps_only_a_few_unused_areas_ope
     assert pages.areas == SPARE_AREAS_PER_UID + 1, "another uid's spare is not counted against this one's"
     pages.process_gone(200)
     assert pages.areas == SPARE_AREAS_PER_UID
+
+
+def test_areas_fill_at_most_their_share_of_the_fd_room_and_a_group_past_it_agrees_by_messages(mem, caplog):
+    room = FdRoom(4)
+    pages = Pages(room=room)
+    reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10, pages=pages)
+    try:
+        placed = [opened(reg, 1, pids=(100,), group=f"g{k}")[1] for k in range(3)]
+        assert [p is not None for p in placed] == [True, True, False] and room.used == 2, "half the room"
+        assert "every file descriptor its limit leaves beside its connections" in caplog.text
+        reg.release(("r", 0), who(100), {"group": "g0", "name": "n", "rank": 0}, 0.0)
+        pages.process_gone(100)
+        assert room.used == 1, "a closed area gives its place back"
+    finally:
+        pages.shutdown()
+    assert room.used == 0
 
 
 def test_on_the_message_path_a_vote_after_an_eviction_is_false_until_the_pid_joins_again(reg):
