@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from peerd_client.connection import Connection
 
-from peerd.metrics import DEADLINE_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS
+from peerd.metricsport import DEADLINE_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS
 from tests.conftest import Daemon, local_users, wait_until
 
 FLOODER, FLOODER_GROUP = "pdm-flood", "pdm-none"  # the group is the user's own: not the daemon's socket group
