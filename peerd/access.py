@@ -12,18 +12,29 @@ hands handles only to processes entitled to them. Two layers:
 2. The allowlist, checked against the kernel's credentials (SO_PEERCRED) on
    every message: root, the daemon's own uid, the socket group, plus any uid
    or gid configured. A gid matches the caller's primary or supplementary
-   groups (read from /proc/PID/status, which the caller cannot forge).
+   groups, the supplementary ones as the kernel recorded them when the
+   connection was made (SO_PEERGROUPS, read on the connection's own socket).
+   Never /proc/PID: the pid recorded at connect may be another process's by
+   the time a message arrives (a caller can hand its connection to a child
+   and exit), so nothing about the caller is ever read from it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import grp
 import logging
 import os
+import socket
 import stat
+import struct
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import zmq
+
+from .credentials import Credentials
 from .trust import NotASocket, UntrustedPath, check_directories, describe_gid, describe_uid, kind
 
 log = logging.getLogger("peerd.access")
@@ -144,15 +155,95 @@ def secure_socket(path: str, gid: int | None) -> None:
     os.chmod(path, 0o660)
 
 
-def supplementary_groups(pid: int) -> set[int]:
+#: SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as the kernel recorded them at connect.
+#: Python's socket module lacks the name on some builds; its value is 59 on every Linux architecture.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+#: what Python's getsockopt can read at once: 256 gids; more go through libc (NGROUPS_MAX is 65536)
+_GROUPS_AT_ONCE = 1024
+_NGROUPS_MAX = 65536
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+#: The caller's supplementary groups, read only when the allowlist needs them: a frozenset, or None when
+#: they cannot be known (then no gid matches through them)
+GroupSource = Callable[[], "frozenset[int] | None"]
+
+_unsupported_logged = False
+
+
+def peer_groups(sock: socket.socket) -> frozenset[int] | None:
+    """The supplementary groups of the process that made the connection ``sock``, as the kernel recorded
+    them then (SO_PEERGROUPS); None when they cannot be read (a kernel before 4.13: logged once)."""
     try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, _GROUPS_AT_ONCE)
+    except OSError as err:
+        if err.errno == errno.ERANGE:  # more than 256 groups
+            return _many_peer_groups(sock.fileno())
+        if err.errno in (errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP):
+            _log_unsupported(err)
+        else:
+            log.warning("cannot read the supplementary groups of a connection (SO_PEERGROUPS): %s", err)
+        return None
+    return frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+
+
+def _many_peer_groups(fd: int) -> frozenset[int] | None:
+    buffer = (ctypes.c_uint32 * _NGROUPS_MAX)()
+    size = ctypes.c_uint32(ctypes.sizeof(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buffer, ctypes.byref(size)) != 0:
+        log.warning("cannot read the supplementary groups of a connection (SO_PEERGROUPS): %s",
+                    os.strerror(ctypes.get_errno()))
+        return None
+    return frozenset(buffer[: size.value // 4])
+
+
+def _log_unsupported(err: OSError) -> None:
+    global _unsupported_logged
+    if not _unsupported_logged:
+        _unsupported_logged = True
+        log.error(
+            "this kernel does not report a connection's supplementary groups (SO_PEERGROUPS, Linux 4.13: %s): "
+            "a caller whose uid and primary group are not allowed is refused even where a supplementary group "
+            "of its is (--allow-gid, the socket group); peerd never reads them from /proc instead, since the "
+            "pid there may be another process's by then. Allow such users by uid (--allow-uid) or by primary "
+            "group, or run a newer kernel", err.strerror,
+        )
+
+
+def connection_groups(frame: zmq.Frame, who: Credentials) -> frozenset[int] | None:
+    """The supplementary groups the kernel recorded for the connection ``frame`` came in on; None when
+    they cannot be known.
+
+    libzmq names the connection's fd on each frame (ZMQ_SRCFD). By the time the loop reads the frame
+    that connection may be gone and its fd number another's, so the groups count only when that fd is
+    a stream socket whose SO_PEERCRED is the frame's own (pid, uid, gid) from Peer-Address: else the
+    caller is unknown. Read on a dup, so libzmq closing its fd meanwhile cannot swap the socket between
+    the two reads.
+    """
+    try:
+        fd = frame.get(zmq.SRCFD)
+        dup = os.dup(fd)
+    except (zmq.ZMQError, OSError, AttributeError, TypeError) as err:
+        log.debug("no source fd for a frame of pid %d: %s", who.pid, err)
+        return None
+    try:
+        peer = socket.socket(fileno=dup)
+    except OSError:  # no longer a socket
+        os.close(dup)
+        return None
+    with peer:
+        try:
+            if peer.family != socket.AF_UNIX or peer.type != socket.SOCK_STREAM:
+                return None
+            pid, uid, gid = _CREDENTIALS.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                _CREDENTIALS.size))
+        except OSError:
+            return None
+        if (pid, uid, gid) != (who.pid, who.uid, who.gid):
+            log.debug("the fd of a frame of pid %d (uid %d) is now another connection's (pid %d, uid %d): "
+                      "its groups are unknown", who.pid, who.uid, pid, uid)
+            return None
+        return peer_groups(peer)
 
 
 @dataclass(frozen=True)
@@ -166,10 +257,16 @@ class Allowlist:
         group_default = () if gids or socket_gid is None else (socket_gid,)
         return cls(frozenset({0, os.geteuid(), *uids}), frozenset({*gids, *group_default}))
 
-    def allows(self, uid: int, gid: int, pid: int) -> bool:
+    def admits(self, uid: int, gid: int, groups: GroupSource | Collection[int] | None) -> bool:
+        """Whether the caller with this uid and primary gid may use the daemon; its supplementary groups,
+        as the kernel recorded them at connect (``groups``: a set, or a function asked only when the uid and
+        primary gid do not decide, so an allowed caller costs no system call), else None: refused through them."""
         if uid in self.uids or gid in self.gids:
             return True
-        return bool(self.gids) and not self.gids.isdisjoint(supplementary_groups(pid))
+        if not self.gids or groups is None:
+            return False
+        found = groups() if callable(groups) else groups
+        return found is not None and not self.gids.isdisjoint(found)
 
     def describe(self) -> str:
         return f"uids {sorted(self.uids)}, gids {sorted(self.gids)}"

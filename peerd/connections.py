@@ -26,6 +26,7 @@ from typing import Callable
 
 import zmq
 
+from .access import GroupSource, peer_groups
 from .tally import LOG_EVERY_S, Tally
 
 log = logging.getLogger("peerd.connections")
@@ -92,9 +93,9 @@ class ConnectionLimits:
 class ConnectionGuard:
     """Admits or shuts down each connection the ROUTER accepts; the loop only reads its counters."""
 
-    def __init__(self, router: zmq.Socket, limits: ConnectionLimits, allows: Callable[[int, int, int], bool]):
+    def __init__(self, router: zmq.Socket, limits: ConnectionLimits, allows: Callable[[int, int, GroupSource], bool]):
         self.limits = limits  # replaced on SIGHUP
-        self._allows = allows  # the daemon's current allowlist: (uid, gid, pid) -> bool
+        self._allows = allows  # the daemon's current allowlist: (uid, gid, supplementary groups) -> bool
         address = f"inproc://peerd-connections-{id(self)}"
         router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._monitor = router.context.socket(zmq.PAIR)
@@ -161,7 +162,7 @@ class ConnectionGuard:
                 return  # reused for another socket of the daemon's: never touch it
             pid, uid, gid = _CREDENTIALS.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                 _CREDENTIALS.size))
-            why = self._over_cap(uid, gid, pid)
+            why = self._over_cap(uid, gid, lambda: peer_groups(peer))
             if why is None:
                 with self._lock:
                     self._uid_of[fd] = uid
@@ -170,12 +171,12 @@ class ConnectionGuard:
             peer.shutdown(socket.SHUT_RDWR)  # libzmq sees EOF and closes its fd itself
         self._refused.add(why)
 
-    def _over_cap(self, uid: int, gid: int, pid: int) -> str | None:
-        """Why this connection may not stay, or None."""
+    def _over_cap(self, uid: int, gid: int, groups: GroupSource) -> str | None:
+        """Why this connection may not stay, or None; ``groups``: its supplementary groups, read off it."""
         limits = self.limits
         if len(self._uid_of) >= limits.total:
             return f"the daemon holds {limits.total} connections (--max-connections)"
-        if not self._allows(uid, gid, pid):
+        if not self._allows(uid, gid, groups):
             if self._by_uid[uid] >= REFUSED_UID_CONNECTIONS:
                 return f"uid {uid} is not in the allowlist and holds the {REFUSED_UID_CONNECTIONS} connections left to it"
         elif self._by_uid[uid] >= limits.per_uid:

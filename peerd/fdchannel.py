@@ -18,6 +18,12 @@ asks instead for the area holding the set's control page and the daemon's
 alive pipe (peerd.pages), on every backend. The daemon's half never blocks its
 loop: it accepts, reads and sends without waiting, and drops a connection
 that is slow, oversized or does not read.
+
+Who asks is the kernel's word on the accepted socket itself: SO_PEERCRED for
+the uid, gid and pid, SO_PEERGROUPS for the supplementary groups the
+allowlist may need (read only if asked), both as recorded at connect. Nothing
+is read from /proc/PID, which may be another process by the time the request
+comes (a caller can hand its connection to a child and exit).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from .access import secure_socket
+from .access import GroupSource, peer_groups, secure_socket
+from .credentials import Credentials
 from .protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("peerd.fdchannel")
@@ -51,8 +58,8 @@ REQUEST_WAIT_S = 1.0
 #: what the messages after the first carry besides their fds
 MORE = b"\x00"
 
-#: (uid, gid, pid, request) -> (handles, fds), or ProtocolError
-Answer = Callable[[int, int, int, Any], "tuple[list[bytes], list[int]]"]
+#: (the caller, its supplementary groups if asked, request) -> (handles, fds), or ProtocolError
+Answer = Callable[[Credentials, GroupSource, Any], "tuple[list[bytes], list[int]]"]
 
 
 class FdChannelServer:
@@ -132,7 +139,7 @@ class FdChannelServer:
                 request = msgpack.unpackb(data, raw=False, strict_map_key=True)
             except Exception:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "an fd request is one msgpack map") from None
-            handles, fds = self._answer(uid, gid, pid, request)
+            handles, fds = self._answer(Credentials(uid, gid, pid), lambda: peer_groups(conn), request)
         except ProtocolError as err:
             return {"ok": False, "code": err.code.value, "message": err.message}, []
         except Exception as err:  # a bug must cost one request, never the daemon

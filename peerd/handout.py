@@ -1,7 +1,8 @@
 """The fd channel's answer: a member's set memory as fds, or its control page's area.
 
 Apart from the loop (peerd.server) so the rule reads in one place: only a caller the
-allowlist admits, holding the rank it names in a set whose handles went out
+allowlist admits (its supplementary groups as the kernel recorded them on the fd channel's
+connection), holding the rank it names in a set whose handles went out
 (Registry.opened_set), receives anything.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .access import Allowlist
+from .access import Allowlist, GroupSource
 from .admission import forbidden
 from .backends import MemoryBackend
 from .credentials import Credentials
@@ -20,9 +21,10 @@ from .registry import Registry
 
 
 def member_fds(registry: Registry, backend: MemoryBackend, pages: Pages, allowlist: Allowlist,
-               who: Credentials, request: Any) -> tuple[list[bytes], list[int]]:
-    """The handles and fds of the set in which ``who`` holds the rank asked for (or its page's area and alive pipe)."""
-    if not allowlist.allows(who.uid, who.gid, who.pid):
+               who: Credentials, groups: GroupSource, request: Any) -> tuple[list[bytes], list[int]]:
+    """The handles and fds of the set in which ``who`` holds the rank asked for (or its page's area and alive
+    pipe); ``groups``: its supplementary groups, read off its connection only if the allowlist needs them."""
+    if not allowlist.admits(who.uid, who.gid, groups):
         raise forbidden(who)
     wants_page, request = pages.split_request(request)
     bset = registry.opened_set(validate_request("release", request), who)  # a slot, named as release names it

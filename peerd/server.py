@@ -22,7 +22,7 @@ import zmq
 
 from . import __version__, report
 from .admission import admit, forbidden
-from .access import Allowlist, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
+from .access import Allowlist, GroupSource, connection_groups, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
@@ -140,7 +140,7 @@ class Daemon:
                               (zmq.SNDHWM, ROUTER_SNDHWM), (zmq.ROUTER_MANDATORY, 1)):
             self._router.setsockopt(option, value)
         self._guard = ConnectionGuard(self._router, self.settings.connection_limits,
-                                      lambda uid, gid, pid: self.allowlist.allows(uid, gid, pid))
+                                      lambda uid, gid, groups: self.allowlist.admits(uid, gid, groups))
         self._guard.start()
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
@@ -338,7 +338,8 @@ class Daemon:
         if who is None:
             log.warning("dropped a message without kernel credentials (not an ipc peer?)")
             return []
-        allowed = self.allowlist.allows(who.uid, who.gid, who.pid)
+        # supplementary groups as the kernel recorded them on this connection, read only when needed
+        allowed = self.allowlist.admits(who.uid, who.gid, lambda: connection_groups(payload, who))
         if not allowed:  # refused before its frame is decoded
             return self._refuse(identity, who, payload.bytes)
         try:
@@ -390,8 +391,8 @@ class Daemon:
             request_id = None
         return [Send(Route(identity, request_id), error=forbidden(who))]
 
-    def _member_fds(self, uid: int, gid: int, pid: int, request: Any) -> tuple[list[bytes], list[int]]:
-        return member_fds(self.registry, self.backend, self.pages, self.allowlist, Credentials(uid, gid, pid), request)
+    def _member_fds(self, who: Credentials, groups: GroupSource, request: Any) -> tuple[list[bytes], list[int]]:
+        return member_fds(self.registry, self.backend, self.pages, self.allowlist, who, groups, request)
 
     def _handler(self, op: Op) -> Handler:
         """The op's handler, as its record says: Registry.<name> (the caller's uid picks its key namespace),

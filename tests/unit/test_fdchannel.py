@@ -18,8 +18,9 @@ def channel(tmp_path):
     """A channel whose answer is ``answers[rank]`` (or its error), served by a thread like the daemon's loop."""
     answers: dict = {}
 
-    def answer(uid, gid, pid, request):
-        assert pid == os.getpid() and uid == os.geteuid()  # the kernel's word, not the request's
+    def answer(who, groups, request):
+        assert who.pid == os.getpid() and who.uid == os.geteuid()  # the kernel's word, not the request's
+        assert groups() == frozenset(os.getgroups()), "its groups, read off its own connection"
         answers.setdefault("asked", []).append(request["rank"])
         if isinstance(answers[request["rank"]], ProtocolError):
             raise answers[request["rank"]]
