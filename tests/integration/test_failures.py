@@ -189,8 +189,9 @@ def test_a_rank_resumed_after_its_deadline_sees_the_verdict_and_holds_nothing(da
         # the verdict: rank 0's commit vote on the set's control page timed out waiting for rank 1 or, where
         # rank 0's join came after rank 1's 2 s rendezvous deadline on a loaded machine, the rendezvous did
         assert f"group={group} name=default" in outcome["message"], outcome
-        page_vote = "(waited at most 2s)" in outcome["message"] and "timed out waiting for rank(s) [1]" in outcome["message"]
-        assert page_vote or "timed out after 2" in outcome["message"] or "did not answer" in outcome["message"], outcome
+        said = outcome["message"]
+        page_vote = "(waited at most 2s)" in said and "timed out waiting for rank(s) [1]" in said
+        assert page_vote or "timed out after 2" in said or "did not answer" in said, outcome
         wait_until(lambda: _held(daemon) == [], 30, "the failed set to be released")
         assert all(p.poll() is None for p in ranks), "released while the ranks still live"
         for p in ranks:
