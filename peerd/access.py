@@ -29,13 +29,13 @@ import os
 import socket
 import stat
 import struct
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
 
 from .credentials import Credentials
-from .trust import NotASocket, UntrustedPath, check_directories, describe_gid, describe_uid, kind
+from .trust import NotASocket, UntrustedPath, check_directories, describe_gid, describe_uid, kind, peer_credentials
 
 log = logging.getLogger("peerd.access")
 
@@ -161,7 +161,6 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 #: what Python's getsockopt can read at once: 256 gids; more go through libc (NGROUPS_MAX is 65536)
 _GROUPS_AT_ONCE = 1024
 _NGROUPS_MAX = 65536
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 #: The caller's supplementary groups, read only when the allowlist needs them: a frozenset, or None when
 #: they cannot be known (then no gid matches through them)
@@ -235,13 +234,12 @@ def connection_groups(frame: zmq.Frame, who: Credentials) -> frozenset[int] | No
         try:
             if peer.family != socket.AF_UNIX or peer.type != socket.SOCK_STREAM:
                 return None
-            pid, uid, gid = _CREDENTIALS.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                _CREDENTIALS.size))
+            now = peer_credentials(peer)
         except OSError:
             return None
-        if (pid, uid, gid) != (who.pid, who.uid, who.gid):
+        if now != who:
             log.debug("the fd of a frame of pid %d (uid %d) is now another connection's (pid %d, uid %d): "
-                      "its groups are unknown", who.pid, who.uid, pid, uid)
+                      "its groups are unknown", who.pid, who.uid, now.pid, now.uid)
             return None
         return peer_groups(peer)
 
@@ -257,15 +255,15 @@ class Allowlist:
         group_default = () if gids or socket_gid is None else (socket_gid,)
         return cls(frozenset({0, os.geteuid(), *uids}), frozenset({*gids, *group_default}))
 
-    def admits(self, uid: int, gid: int, groups: GroupSource | Collection[int] | None) -> bool:
-        """Whether the caller with this uid and primary gid may use the daemon; its supplementary groups,
-        as the kernel recorded them at connect (``groups``: a set, or a function asked only when the uid and
-        primary gid do not decide, so an allowed caller costs no system call), else None: refused through them."""
+    def admits(self, uid: int, gid: int, groups: GroupSource) -> bool:
+        """Whether the caller with this uid and primary gid may use the daemon; ``groups`` gives its
+        supplementary groups as the kernel recorded them at connect, asked only when the uid and primary
+        gid do not decide (an allowed caller costs no system call); groups it cannot know admit nobody."""
         if uid in self.uids or gid in self.gids:
             return True
-        if not self.gids or groups is None:
+        if not self.gids:
             return False
-        found = groups() if callable(groups) else groups
+        found = groups()
         return found is not None and not self.gids.isdisjoint(found)
 
     def describe(self) -> str:

@@ -28,6 +28,7 @@ import zmq
 
 from .access import GroupSource, peer_groups
 from .tally import LOG_EVERY_S, Tally
+from .trust import peer_credentials
 
 log = logging.getLogger("peerd.connections")
 
@@ -53,7 +54,6 @@ DEFAULT_CONNECTIONS_PER_UID = 64
 #: a uid the allowlist refuses still gets a few connections, to receive its FORBIDDEN reply
 REFUSED_UID_CONNECTIONS = 4
 
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def raise_fd_limit() -> int:
@@ -160,13 +160,12 @@ class ConnectionGuard:
         with peer:
             if peer.family != socket.AF_UNIX or f"ipc://{peer.getsockname()}" != address:
                 return  # reused for another socket of the daemon's: never touch it
-            pid, uid, gid = _CREDENTIALS.unpack(peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                _CREDENTIALS.size))
-            why = self._over_cap(uid, gid, lambda: peer_groups(peer))
+            who = peer_credentials(peer)
+            why = self._over_cap(who.uid, who.gid, lambda: peer_groups(peer))
             if why is None:
                 with self._lock:
-                    self._uid_of[fd] = uid
-                    self._by_uid[uid] += 1
+                    self._uid_of[fd] = who.uid
+                    self._by_uid[who.uid] += 1
                 return
             peer.shutdown(socket.SHUT_RDWR)  # libzmq sees EOF and closes its fd itself
         self._refused.add(why)

@@ -42,6 +42,7 @@ import zmq
 from .access import GroupSource, peer_groups, secure_socket
 from .credentials import Credentials
 from .protocol import ErrorCode, ProtocolError
+from .trust import peer_credentials
 
 log = logging.getLogger("peerd.fdchannel")
 
@@ -133,17 +134,17 @@ class FdChannelServer:
         self._drop(fd)
 
     def _reply(self, conn: socket.socket, data: bytes) -> tuple[dict, list[int]]:
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        who = peer_credentials(conn)
         try:
             try:
                 request = msgpack.unpackb(data, raw=False, strict_map_key=True)
             except Exception:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "an fd request is one msgpack map") from None
-            handles, fds = self._answer(Credentials(uid, gid, pid), lambda: peer_groups(conn), request)
+            handles, fds = self._answer(who, lambda: peer_groups(conn), request)
         except ProtocolError as err:
             return {"ok": False, "code": err.code.value, "message": err.message}, []
         except Exception as err:  # a bug must cost one request, never the daemon
-            log.exception("fd request of pid %d failed", pid)
+            log.exception("fd request of pid %d failed", who.pid)
             return {"ok": False, "code": ErrorCode.INTERNAL.value, "message": f"{type(err).__name__}: {err}"}, []
         return {"ok": True, "handles": handles}, fds
 
@@ -176,7 +177,7 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
     fds: list[int] = []
     with connect(path, timeout) as sock:
         try:
-            server = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            server = peer_credentials(sock).pid
             if daemon_pid is not None and server not in (0, daemon_pid):
                 raise ConnectionError(
                     f"the fd channel at {path} is served by pid {server}, not by the daemon (pid {daemon_pid}); "

@@ -24,7 +24,9 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import socket
 import stat
+import struct
 from collections.abc import Collection
 
 import zmq
@@ -57,6 +59,16 @@ class AccessDenied(SocketPathError):
     """This user may not enter a directory on the way, or not connect to the socket."""
 
     code = "PERMISSION_DENIED"
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    """The uid, gid and pid of the process that made the connection ``sock``, as the kernel recorded
+    them (SO_PEERCRED); OSError where the socket cannot tell."""
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return Credentials(uid, gid, pid)
 
 
 def credentials(frame: zmq.Frame) -> Credentials | None:
