@@ -387,8 +387,7 @@ class ControlPage:
         votes = self.word(slot_offset(rank) + OFF_VOTES)
         votes.value = (votes.value & ~bit) | (bit if ok else 0)
         a.store_seq_cst(self.word(slot_offset(rank)), k)  # after the vote
-        a.add32(self.address + OFF_WAKE, 1, SEQ_CST)
-        a.futex_wake(self.address + OFF_WAKE)
+        self._wake_sleepers()
 
     def close_round(self, k: int) -> bool:
         """The daemon decides round ``k`` where no rank has yet: ABORTED, so no rank can pass it once the
@@ -408,7 +407,13 @@ class ControlPage:
         ctypes.memmove(self.address + OFF_REASON, text, len(text))
         self.word(OFF_ABORTED_AT).value = time.monotonic_ns()
         a.store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text and the instant
-        a.add32(self.address + OFF_WAKE, 1, SEQ_CST)  # a sleeper's FUTEX_WAIT on the old value fails
+        self._wake_sleepers()
+
+    def _wake_sleepers(self) -> None:
+        """After a store the waiters must see: bump the wake word (a sleeper's FUTEX_WAIT on its old value
+        fails) and wake every sleeper."""
+        a = atomics()
+        a.add32(self.address + OFF_WAKE, 1, SEQ_CST)
         a.futex_wake(self.address + OFF_WAKE)
 
     @property
