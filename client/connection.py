@@ -26,6 +26,7 @@ undelivered release (those are its parent's ranks).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import os
 import struct
@@ -72,7 +73,7 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lost: str | None = None
-        self._owner: int | None = None  # the thread inside call(), if any
+        self._owner: int | None = None  # the thread inside call() or post(), if any
         self._deferred: list[tuple[str, dict]] = []  # requests no one waits for, sent before the next call
         try:
             trusted = client_trusts()
@@ -172,20 +173,22 @@ class Connection:
 
         ``meanwhile`` runs once the request is out, before waiting: work that overlaps the daemon's answer.
         """
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                return self._call(op, body, timeout, meanwhile)
-            finally:
-                self._owner = None
+        with self._owned():
+            return self._call(op, body, timeout, meanwhile)
 
     def post(self, op: str, body: dict[str, Any]) -> None:
         """Send one request whose answer comes another way (a commit on the control page): the
         daemon answers it only with a refusal, which the next call skips as stray."""
+        with self._owned():
+            self._send(op, self._ready(op, body))
+
+    @contextlib.contextmanager
+    def _owned(self):
+        """The connection, held by this thread: a finalizer's send_later on it defers instead of waiting."""
         with self._lock:
-            self._owner = threading.get_ident()  # a finalizer's send_later on this thread defers, as in call()
+            self._owner = threading.get_ident()
             try:
-                self._send(op, self._ready(op, body))
+                yield
             finally:
                 self._owner = None
 
