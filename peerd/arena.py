@@ -23,10 +23,14 @@ Rules:
 - **First fit** over each chunk's free list (sorted by offset, neighbours
   coalesced on free): sets of one model ask for a handful of sizes, so the
   list stays short and first fit keeps the low end of a chunk packed.
-- **Zero on reuse.** A freed range is zeroed at once and asynchronously
-  (``zero``); the chunk's pending zeroes are waited for (``sync``) before any
-  range of it is handed out again, so every buffer reads zero. A new chunk
-  is zeroed whole before its first buffer.
+- **Zero on reuse, waited for only when needed.** A freed range is zeroed at
+  once and asynchronously (``zero``) and set aside (``zeroing``); it rejoins
+  the free list only after the chunk's zeroes were waited for (``sync``), so
+  every buffer reads zero. Ranges never handed out, or already settled, are
+  taken first: a set made just after another was freed (an engine's next
+  buffers, a restart of a job) waits for no device stream while its chunk has
+  room; the wait comes when only zeroing ranges would fit, by then usually
+  long done. A new chunk is zeroed whole before its first buffer.
 - **Big requests** (over a chunk) get a chunk of their own, returned to the
   driver as soon as that buffer is freed.
 - **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
@@ -101,7 +105,7 @@ class Chunk:
     dedicated: bool  # one buffer too big for a shared chunk
     free: list[list[int]] = field(default_factory=list)  # [offset, length], sorted by offset, coalesced
     used: dict[int, int] = field(default_factory=dict)  # offset -> length handed out
-    zeroing: bool = False  # zeroes started and not waited for
+    zeroing: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) freed, zeroes not waited for
     empty_since: float | None = None
     mappers: set[int] = field(default_factory=set)  # live pids handed it: Note [No free under a mapping]
 
@@ -122,9 +126,8 @@ class Chunk:
                 return offset
         return None
 
-    def give_back(self, offset: int) -> None:
+    def give_back(self, offset: int, size: int) -> None:
         """Return a range to the free list, merged with its free neighbours."""
-        size = self.used.pop(offset)
         at = 0
         while at < len(self.free) and self.free[at][0] < offset:
             at += 1
@@ -165,8 +168,12 @@ class Arenas:
         """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
         size = align(nbytes)
         if size <= self.chunk_bytes:
-            for chunk in self.chunks.values():
-                if chunk.uid == uid and chunk.device == device and chunk.flags == flags and not chunk.dedicated:
+            shared = [c for c in self.chunks.values()
+                      if c.uid == uid and c.device == device and c.flags == flags and not c.dedicated]
+            for settle in (False, True):  # ranges ready now first; those still zeroing only when nothing else fits
+                for chunk in shared:
+                    if settle and chunk.zeroing:
+                        self._settle(chunk)
                     offset = chunk.take(size)
                     if offset is not None:
                         return self._hand_out(chunk, offset, size)
@@ -174,11 +181,15 @@ class Arenas:
         return self._hand_out(chunk, chunk.take(size), size)
 
     def _hand_out(self, chunk: Chunk, offset: int, size: int) -> Placement:
-        if chunk.zeroing:
-            self._source.sync(chunk.token)
-            chunk.zeroing = False
         chunk.empty_since = None
         return Placement(chunk, offset, size)
+
+    def _settle(self, chunk: Chunk) -> None:
+        """Wait for the chunk's zeroes, then put the zeroed ranges back on its free list."""
+        self._source.sync(chunk.token)
+        for offset, size in chunk.zeroing:
+            chunk.give_back(offset, size)
+        chunk.zeroing.clear()
 
     def _new_chunk(self, size: int, device: str, flags: int, uid: int | None, dedicated: bool) -> Chunk:
         held = self.reserved(uid)
@@ -209,16 +220,15 @@ class Arenas:
     def release(self, placement: Placement, now: float) -> None:
         """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
         chunk = placement.chunk
-        if chunk.dedicated or (self.idle_s == 0 and list(chunk.used) == [placement.offset] and not chunk.mappers):
-            chunk.give_back(placement.offset)
+        size = chunk.used.pop(placement.offset)
+        if chunk.dedicated or (self.idle_s == 0 and not chunk.used and not chunk.mappers):
             self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
             return
-        # zeroed before it rejoins the free list: a range the driver failed to zero is never handed out again
-        self._source.zero(chunk.token, placement.offset, chunk.used[placement.offset])
-        chunk.zeroing = True
-        chunk.give_back(placement.offset)
         if not chunk.used:
             chunk.empty_since = now
+        # a range the driver failed to zero never rejoins the free list; its chunk still goes back when idle
+        self._source.zero(chunk.token, placement.offset, size)
+        chunk.zeroing.append((placement.offset, size))
 
     def sweep(self, now: float) -> list[Chunk]:
         """Free the chunks empty for ``idle_s`` or longer; those freed."""

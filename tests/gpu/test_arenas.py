@@ -34,7 +34,7 @@ def arenas(d: Daemon) -> list[dict]:
 
 
 def test_a_dirtied_freed_buffer_comes_back_zeroed(socket_dir):
-    d = cuda_daemon(socket_dir, "--arena-idle-s", "30")
+    d = cuda_daemon(socket_dir, "--arena-idle-s", "30", "--arena-chunk-bytes", "2MiB")  # the set fills it
     try:
         for p in arena_rank.start(d, "reuse", 2, "--group", "dirty", "--device", "cuda", "--nbytes", str(MiB)):
             r = finish(p, 300)

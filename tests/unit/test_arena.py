@@ -75,14 +75,40 @@ def test_a_chunk_serves_one_uid_one_device_and_one_kind(arenas):
     assert theirs.chunk.uid == 1001
 
 
-def test_a_freed_range_is_reused_and_reads_zero_once_synced(arenas, source):
+def test_a_freed_range_waits_while_the_chunk_has_room_and_needs_no_sync(arenas, source):
+    first = arenas.place(8192, "gpu0", 0, 1000)
+    arenas.release(first, now=0)
+    second = arenas.place(8192, "gpu0", 0, 1000)
+    assert second.chunk is first.chunk and second.offset != first.offset
+    assert source.syncs == 0, "a range never handed out needs no wait for a zeroing"
+
+
+def test_a_freed_range_is_reused_once_nothing_else_fits_and_reads_zero(arenas, source):
     first = arenas.place(8192, "gpu0", 0, 1000)
     token = first.chunk.token
     source.memory[token][first.offset:first.offset + 8192] = b"\xff" * 8192
+    rest = arenas.place(CHUNK - 8192, "gpu0", 0, 1000)
     arenas.release(first, now=0)
     again = arenas.place(8192, "gpu0", 0, 1000)
-    assert again.offset == first.offset and again.chunk is first.chunk
+    assert (again.chunk, again.offset) == (first.chunk, first.offset) and rest.chunk is first.chunk
+    assert source.syncs == 1 and len(arenas.chunks) == 1, "the zeroing range is waited for, not a new chunk made"
     assert source.memory[token][again.offset:again.offset + 8192] == bytes(8192)
+
+
+def test_a_range_the_driver_failed_to_zero_is_never_handed_out_again(arenas, source):
+    class Refused(Exception):
+        pass
+
+    def refuse(token, offset, nbytes):
+        raise Refused("the driver refused the memset")
+
+    first = arenas.place(CHUNK, "gpu0", 0, 1000)
+    source.zero = refuse
+    with pytest.raises(Refused):
+        arenas.release(first, now=0)
+    assert arenas.place(4096, "gpu0", 0, 1000).chunk is not first.chunk
+    assert first.chunk.free == [] and first.chunk.handed_out == 0
+    assert arenas.sweep(now=10) == [first.chunk], "the emptied chunk still goes back to the driver"
 
 
 def test_no_sync_when_nothing_was_freed(arenas, source):
@@ -91,16 +117,16 @@ def test_no_sync_when_nothing_was_freed(arenas, source):
     assert source.syncs == 0
 
 
-def test_freed_neighbours_coalesce_into_one_range(arenas):
+def test_freed_neighbours_coalesce_into_one_range_once_zeroed(arenas, source):
     a, b, c = (arenas.place(4 * ALIGNMENT, "gpu0", 0, 1000) for _ in range(3))
     rest = arenas.place(CHUNK - 12 * ALIGNMENT, "gpu0", 0, 1000)
     assert rest.chunk is a.chunk and not a.chunk.free
     arenas.release(a, now=0)
     arenas.release(c, now=0)
     arenas.release(b, now=0)
-    assert a.chunk.free == [[0, 12 * ALIGNMENT]]
+    assert a.chunk.free == [] and len(a.chunk.zeroing) == 3, "nothing rejoins the free list before its zeroing"
     big = arenas.place(12 * ALIGNMENT, "gpu0", 0, 1000)
-    assert big.offset == 0 and big.chunk is a.chunk
+    assert big.offset == 0 and big.chunk is a.chunk and source.syncs == 1
 
 
 def test_a_full_chunk_makes_another(arenas):
