@@ -105,6 +105,7 @@ class PeerBuffer:
         except MonoUnsupported as err:
             raise type(err)(f"peer memory rendezvous failed ({where}): {err}", err.code) from None
         self._released = False
+        self._set = joined["set"]  # what the release names: see the release op
         remember(member)
 
         failure, pointers, fds = None, [], []
@@ -311,7 +312,7 @@ class PeerBuffer:
                 require_torch().cuda.synchronize(self.device)
             except Exception as err:  # a broken context must not keep the set held
                 log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
-        slot = {"group": self.group_key, "name": self.name, "rank": self.rank}
+        slot = {"group": self.group_key, "name": self.name, "rank": self.rank, "set": self._set}
         try:
             if wait:
                 self._conn.call("release", slot)

@@ -115,7 +115,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
         "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
         "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str)),
-        "page": Field(list, _page, None)},
+        "page": Field(list, _page, None), "set": Field(int)},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain
        registry=True, watches=True),
@@ -133,8 +133,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
        {},
        errors=(E.RANK_INVALID, E.RANK_TAKEN),
        registry=True),
-    Op("release", "Drop this rank's hold on the buffer set; the memory is freed once no rank holds it.",
-       _SLOT,
+    Op("release", "Drop this rank's hold on the buffer set; the memory is freed once no rank holds it. "
+       "`set` (the join reply's) names the set the hold was taken in: a release sent again after its "
+       "first delivery (a retry, a restarted daemon) never ends a later set's hold of the same rank.",
+       {**_SLOT, "set": Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0", None)},
        {"freed": Field(bool)},
        errors=(E.NOT_FOUND, E.NOT_MEMBER, *SET_FAILURES),
        registry=True),

@@ -18,6 +18,7 @@ at construction, so the unit tests drive every rule with fakes.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any, Callable
 
 from .backends.allocation import Allocation
@@ -70,7 +71,8 @@ class Rendezvous:
         self._waits = waits
         self.index = SetIndex()
         self.rank_deaths = 0  # processes that died holding a rank of a buffer set
-        self._ids = 0
+        # set ids start at a random point, so a set id from an earlier daemon run names no set of this one
+        self._ids = secrets.randbits(40) << 20
 
     # ------------------------------------------------------------ join and withdraw
 
@@ -205,6 +207,7 @@ class Rendezvous:
             "offsets": [s.allocation.offset for s in slots],
             "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
+            "set": bset.id,
         }
         page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages
         if page is not None:
@@ -350,13 +353,16 @@ class Rendezvous:
         current set says why: another pid holds the rank, or its kept verdict
         (see Note [Failure verdicts are kept]).
         """
-        key, rank, pid = (who.uid, req["group"], req["name"]), req["rank"], who.pid
+        key, rank, pid, wanted = (who.uid, req["group"], req["name"]), req["rank"], who.pid, req.get("set")
         for bset in self.index.of_group(who.uid, req["group"]):
-            if bset.name != req["name"]:
+            if bset.name != req["name"] or wanted not in (None, bset.id):
                 continue
             slot = bset.slots.get(rank)
             if slot is not None and slot.held and slot.pid == pid:
                 return bset, None
+        if wanted is not None:  # that set's hold already ended: a release delivered twice ends nothing else
+            return None, ProtocolError(ErrorCode.NOT_FOUND, f"pid {pid} holds rank {rank} of no set {wanted} of "
+                                                            f"group={key[1]} name={key[2]} (released already)")
         current = self.index.current.get(key)
         slot = current.slots.get(rank) if current else None
         if slot is not None and slot.held:

@@ -145,6 +145,27 @@ def cache(args) -> dict:
             "mapped_after_close": len(mappings)}
 
 
+def stale_release(args) -> dict:
+    """A release of this rank's first set delivered again (a retry after a timeout, a restarted daemon)
+    while it holds the next set of the same key: it must end nothing, and the new set's memory stays."""
+    from peerd_client import MonoUnsupported, PeerBuffer
+    from peerd_client.connection import connection
+
+    first = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name)
+    stale = {"group": first.group_key, "name": args.name, "rank": args.rank, "set": first._set}
+    first.close()
+    second = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name=args.name)
+    second.bytes.fill_(7)
+    try:
+        connection().call("release", stale)
+        refused = ""
+    except MonoUnsupported as err:
+        refused = err.code
+    out = {"refused": refused, "kept": int(second.bytes[0]), "new_set": second._set != stale["set"]}
+    second.close()
+    return out
+
+
 def queued(args) -> dict:
     """A set built while this rank's stream is busy: its address copy is still queued behind the work,
     and a kernel on another stream must still read every rank's address, not what the memory held."""
@@ -471,6 +492,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "stale_release": stale_release,
     "cache": cache,
     "queued": queued,
     "call": call,

@@ -294,3 +294,11 @@ def test_pipelined_agreement_votes_are_refused_past_the_caps_and_the_daemon_stay
         assert all(r["ok"] for r in after), after
     finally:
         assert d.stop() == 0, d.logs()
+
+
+def test_a_release_delivered_again_never_ends_the_next_set_of_the_same_rank(daemon):
+    """A release retried after its first delivery (the client timed out on a stalled daemon, or the
+    daemon restarted) names its set: the rank's next set of the same key keeps its hold and memory."""
+    (r,) = run_ranks(daemon, "stale_release", 1, "--group", "kv", "--name", "cache")
+    assert r["new_set"] and r["refused"] == "NOT_FOUND", r
+    assert r["kept"] == 7, "the new set's memory was zeroed under its holder"

@@ -9,7 +9,7 @@ HELLO = {"instance": 3, "version": "1.0", "protocol": 1, "pid": 7, "backend": "h
          "rendezvous_timeout": 60.0, "agreement_timeout": 60}
 GOOD = {
     "join": {"backend": "host", "handles": [b"a", b"a"], "sizes": [4096, 4096], "offsets": [0, 4096],
-             "chunk_sizes": [1 << 26, 1 << 26], "devices": ["host", "host"]},
+             "chunk_sizes": [1 << 26, 1 << 26], "devices": ["host", "host"], "set": 1 << 40},
     "commit": {"ok": True, "reason": ""},
     "agree": {"ok": False, "reason": "rank 1 voted no"},
     "release": {"freed": True},
