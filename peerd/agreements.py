@@ -41,6 +41,8 @@ class Agreement:
     rounds: dict[int, Round] = field(default_factory=dict)  # numbered without gaps from ``floor``
     dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
     floor: int = 1  # the oldest round still kept
+    beyond: int = 0  # rounds from this one on were False at once: too far ahead (0: none); see ``collect``
+    beyond_reason: str = ""
 
     @property
     def key(self) -> tuple[int | None, str]:
@@ -61,6 +63,10 @@ class Agreement:
         nothing grows while a group lives. The members stay known, so a rank
         that dies between rounds still fails the next round at once instead of
         leaving its peers to time out.
+
+        Rounds from ``beyond`` on are kept as that number alone: every one of
+        them is False, for whichever rank enters it, until every live rank
+        has entered the last one entered; then the count starts again.
         """
         passed, _ = self.slowest()
         while self.floor <= passed and self.floor in self.rounds:
@@ -68,9 +74,9 @@ class Agreement:
                 break
             del self.rounds[self.floor]
             self.floor += 1
-        if not self.rounds:
+        if not self.rounds and (not self.beyond or passed >= max(self.calls.values(), default=0)):
             self.calls.clear()
-            self.floor = 1
+            self.floor, self.beyond, self.beyond_reason = 1, 0, ""
 
     def finished(self) -> bool:
         """Every member it knew of is dead: nobody can still be waiting on it."""
@@ -119,8 +125,19 @@ class Agreements:
             return out + [refuse(caller, ErrorCode.NOT_MEMBER, message)]
         k = agreement.calls.get(rank, 0) + 1
         rnd = agreement.rounds.get(k)
+        if rnd is None and not agreement.beyond:
+            ahead = self._quotas.run_ahead(agreement, rank, k)
+            if ahead:
+                agreement.beyond, agreement.beyond_reason = k, ahead
+                log.warning("group=%s agreement rounds from %d on: False (%s)", group, k, ahead)
+        if rnd is None and agreement.beyond and k >= agreement.beyond:
+            agreement.calls[rank] = k
+            out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
+                                                            f"{agreement.beyond_reason}"}))
+            self._collect(agreement)  # the last rank to enter the last such round puts the group back in step
+            return out
         if rnd is None:
-            refusal = self._quotas.round_refusal(agreement, rank, k)
+            refusal = self._quotas.round_refusal(agreement)
             if refusal:
                 return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             rnd = agreement.rounds[k] = Round(npes)

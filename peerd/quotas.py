@@ -5,8 +5,8 @@ bytes each uid and each device hold, the buffer sets the daemon keeps, and
 the agreements' caps. Every check runs before anything is allocated or
 opened, and says which limit, by which flag, refused the caller.
 
-Agreements are bounded: a rank may run at most ``MAX_RUN_AHEAD`` rounds ahead
-of the slowest live member (a legitimate rank waits for each round), and one
+Agreements are bounded: a round more than ``MAX_RUN_AHEAD`` rounds ahead of
+the slowest live member is False at once and not kept (peerd.agreements), and one
 uid may keep at most ``MAX_AGREEMENTS_PER_UID`` agreements and
 ``MAX_PENDING_ROUNDS_PER_UID`` unsettled rounds, so pipelined votes cost
 linear time and bounded memory.
@@ -22,8 +22,9 @@ from .sizes import human
 if TYPE_CHECKING:
     from .agreements import Agreement
 
-#: How many rounds a rank may be ahead of the slowest live member of its
-#: agreement; a legitimate rank waits for each round, so it is at most one ahead.
+#: How many rounds a rank may be ahead of the slowest live member of its agreement
+#: before its rounds are False at once: one that waits for each verdict is that far
+#: ahead only of a member that stopped or is slow to vote, whose rounds time out.
 MAX_RUN_AHEAD = 8
 
 #: Agreements one uid may keep at once (kept while any member lives).
@@ -114,13 +115,20 @@ class Quotas:
                     f"group={group} must wait until the processes of another one exit")
         return None
 
-    def round_refusal(self, agreement: Agreement, rank: int, k: int) -> str | None:
-        """Why ``rank`` may not open round ``k``: too far ahead, or its uid keeps too many rounds open."""
+    @staticmethod
+    def run_ahead(agreement: Agreement, rank: int, k: int) -> str | None:
+        """Why round ``k``, which ``rank`` would open, is False without being kept: it is too far ahead of
+        the slowest live member (stopped, or slow to vote), so its rounds would pile up in the daemon."""
         behind, slowest = agreement.slowest()
         if k - behind > MAX_RUN_AHEAD:
-            return (f"rank {rank} of group={agreement.group} would open round {k} while rank {slowest} "
+            return (f"rank {rank} of group={agreement.group} reached round {k} while rank {slowest} "
                     f"(pid {agreement.pids.get(slowest, 'not seen yet')}) has entered {behind}: a rank may run at "
-                    f"most {MAX_RUN_AHEAD} rounds ahead; wait for each round's verdict before voting again")
+                    f"most {MAX_RUN_AHEAD} rounds ahead, and every round past that is False until the slowest "
+                    "catches up")
+        return None
+
+    def round_refusal(self, agreement: Agreement) -> str | None:
+        """Why a round of ``agreement`` may not open: its uid keeps too many rounds open."""
         open_rounds = self.open_rounds_by_uid.get(agreement.owner_uid, 0)
         if open_rounds >= MAX_PENDING_ROUNDS_PER_UID:
             return (f"uid {agreement.owner_uid} already keeps {open_rounds} agreement rounds unsettled "

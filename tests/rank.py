@@ -401,7 +401,7 @@ def vote(args) -> dict:
 
 def pipeline(args) -> dict:
     """Send --votes agree requests to one group, then one to each of --hold more groups, without reading;
-    count the refusals that come back, print them, and hold the rounds until a line on stdin."""
+    count the refusals and False answers that come back, print them, and hold the rounds until a line on stdin."""
     import collections
 
     import msgpack
@@ -421,10 +421,13 @@ def pipeline(args) -> dict:
     codes, examples = collections.Counter(), {}
     while sock.poll(3000):
         reply = decode_reply(sock.recv())
-        code = reply.error.code.value if reply.error else "ok"
-        codes[code] += 1
         if reply.error:
-            examples.setdefault(reply.error.message.split(" ", 1)[0] + " " + code, reply.error.message)
+            code, message = reply.error.code.value, reply.error.message
+        else:
+            code, message = ("True", "") if reply.body["ok"] else ("False", reply.body["reason"])
+        codes[code] += 1
+        if message:
+            examples.setdefault(message.split(" ", 1)[0] + " " + code, message)
     print(json.dumps({"codes": dict(codes), "examples": examples}), flush=True)
     sys.stdin.readline()
     return {}

@@ -373,14 +373,24 @@ def test_evict_reaches_every_namespace_unless_a_uid_narrows_it(reg, mem):
     assert sorted(e["uid"] for e in evicted) == [1000, 1002] and reg.sets == {} and mem.live == {}
 
 
-def test_a_rank_may_run_only_a_few_rounds_ahead(reg):
+def test_rounds_too_far_ahead_are_false_for_every_rank_and_kept_as_one_number(reg):
+    """A rank whose peer stopped voting gets False past the window, and each call is still its round:
+    the peer that comes back gets False for those very rounds, then both agree again in step."""
     for _ in range(MAX_RUN_AHEAD):
         assert agree(reg, 0) == []
-    refused = errors(agree(reg, 0))[("a", 0)]
-    assert refused.code is ErrorCode.LIMIT_EXCEEDED and f"at most {MAX_RUN_AHEAD} rounds ahead" in refused.message
-    assert len(reg.agreements[(None, "a")].rounds) == MAX_RUN_AHEAD, "the refused vote opened nothing"
-    assert bodies(agree(reg, 1))[("a", 0)]["ok"] is True, "round 1 settles as usual"
-    assert agree(reg, 0) == [], "one round closer: rank 0 may vote again"
+    ahead = bodies(agree(reg, 0))[("a", 0)]
+    assert ahead["ok"] is False and f"at most {MAX_RUN_AHEAD} rounds ahead" in ahead["reason"]
+    assert bodies(agree(reg, 0))[("a", 0)]["ok"] is False, "round 10: False too, answered at once"
+    agreement = reg.agreements[(None, "a")]
+    assert len(agreement.rounds) == MAX_RUN_AHEAD, "nothing kept past the window"
+    for k in range(1, MAX_RUN_AHEAD + 1):  # the late rank's first rounds are the ones rank 0 voted in
+        assert bodies(agree(reg, 1))[("a", 0)]["ok"] is True, k
+    for k in (MAX_RUN_AHEAD + 1, MAX_RUN_AHEAD + 2):  # then the rounds rank 0 was told were False
+        late = bodies(agree(reg, 1))[("a", 1)]
+        assert late["ok"] is False and "rounds ahead" in late["reason"], k
+    assert agreement.rounds == {} and agreement.calls == {} and agreement.beyond == 0, "in step again"
+    agree(reg, 0)
+    assert bodies(agree(reg, 1))[("a", 1)]["ok"] is True
 
 
 def test_one_uid_keeps_a_bounded_number_of_agreements_and_open_rounds(reg, monkeypatch):
