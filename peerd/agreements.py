@@ -166,13 +166,13 @@ class Agreements:
         agreement = self.kept.get((uid, group))
         out: Outbox = []
         if agreement is not None and agreement.dead.get(rank, pid) != pid:
-            # a new process takes a dead rank's place: the old rounds are over
-            reason = agreement.deaths([rank]) + f"; pid {pid} took its place"
-            for rnd in agreement.rounds.values():
-                if rnd.result is None:
-                    out += rnd.finish(False, reason)
-            self._drop(agreement)
-            agreement = None
+            # a new process takes a dead rank's place: it enters the group's next round, after every round
+            # a survivor entered (each False already: the rank was dead), and the survivors keep their count
+            del agreement.dead[rank]
+            agreement.pids[rank] = pid
+            agreement.calls[rank] = max((c for r, c in agreement.calls.items() if r != rank), default=0)
+            log.info("group=%s rank=%d: pid %d takes the place of the dead pid, from round %d", group, rank, pid,
+                     agreement.calls[rank] + 1)
         if agreement is not None:
             return out, agreement
         refusal = self._quotas.agreements_refusal(uid, group)

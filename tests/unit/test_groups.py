@@ -273,6 +273,23 @@ def test_a_new_process_may_take_a_dead_ranks_place(reg):
     assert bodies(agree(reg, 0))[("a", 0)]["ok"] is True
 
 
+def test_a_process_taking_a_dead_ranks_place_leaves_the_survivors_rounds_in_step(reg):
+    """The survivors' k-th calls stay one round: a slow survivor gets False for the rounds its fast peer
+    was told were False, and the newcomer's first call is the round after every one entered."""
+    def vote(rank, pid=None):
+        body = {"group": "a", "rank": rank, "npes": 3, "ok": True, "timeout": None}
+        return bodies(reg.agree(("a", rank), who(pid or 100 + rank), body, 0.0))
+
+    vote(0), vote(1), vote(2)  # a round all three agreed on
+    reg.process_died(102, 1.0)
+    assert vote(0)[("a", 0)]["ok"] is False and vote(0)[("a", 0)]["ok"] is False  # rank 0 is two rounds on
+    assert vote(2, pid=202) == {}, "the newcomer waits in the round after those"
+    assert vote(1)[("a", 1)]["ok"] is False and vote(1)[("a", 1)]["ok"] is False, "rank 1's rounds, as rank 0's"
+    assert vote(0) == {}
+    verdict = vote(1)
+    assert verdict[("a", 0)]["ok"] and verdict[("a", 1)]["ok"] and verdict[("a", 2)]["ok"], verdict
+
+
 def test_a_buffer_set_member_that_dies_fails_its_groups_agreement(reg):
     live_set(reg)  # group "g": ranks 0 and 1 hold buffers, neither has agreed yet
     agree(reg, 0, group="g")
