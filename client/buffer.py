@@ -32,7 +32,7 @@ def _member_fds(conn: Connection, slot: dict, handles: list[bytes]) -> list[int]
     except OSError as err:
         raise DaemonUnavailable(f"cannot fetch this rank's memory from the daemon's fd channel {path}: {err}") from None
     if sent != handles:
-        for fd in fds:
+        for fd in set(fds):
             os.close(fd)
         raise MonoUnsupported(f"the daemon's fd channel {path} sent the memory of another set than the join named")
     return fds
@@ -125,7 +125,7 @@ class PeerBuffer:
             failure = err
             log.warning("%s could not map a peer: %s", where, err)
         finally:
-            for fd in fds:  # a mapping keeps the memory; the fds are spent
+            for fd in set(fds):  # a mapping keeps the memory; the fds are spent (ranks of one chunk share one)
                 os.close(fd)
         self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
                                conn.hello["agreement_timeout"])

@@ -13,7 +13,12 @@ The channel is a SOCK_SEQPACKET socket at ``<socket path>.fd``, beside the
 daemon's ZeroMQ socket and guarded like it. One request per connection,
 ``{group, name, rank}``; the answer is ``{ok: true, handles}`` with the set's
 fds in rank order (at most FDS_PER_MESSAGE fds per message), or ``{ok: false,
-code, message}``; then the daemon closes. ``{group, name, rank, page: true}``
+code, message}``; then the daemon closes. Handles sharing one fd (ranks in one
+arena chunk) send it once: ``fd_index`` then gives each handle's fd by its
+place among those sent. Why once: a passed fd counts against the daemon's
+user until the receiver reads it (the kernel refuses past its fd limit,
+ETOOMANYREFS, unless it holds CAP_SYS_RESOURCE), and a client that never
+reads its replies must not make every other user's fds stop there. ``{group, name, rank, page: true}``
 asks instead for the area holding the set's control page and the daemon's
 alive pipe (peerd.pages), on every backend. The daemon's half never blocks its
 loop: it accepts, reads and sends without waiting, and drops a connection
@@ -29,6 +34,7 @@ comes (a caller can hand its connection to a child and exit).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -146,16 +152,27 @@ class FdChannelServer:
         except Exception as err:  # a bug must cost one request, never the daemon
             log.exception("fd request of pid %d failed", who.pid)
             return {"ok": False, "code": ErrorCode.INTERNAL.value, "message": f"{type(err).__name__}: {err}"}, []
-        return {"ok": True, "handles": handles}, fds
+        distinct = list(dict.fromkeys(fds))
+        if len(distinct) == len(fds):
+            return {"ok": True, "handles": handles}, fds
+        return {"ok": True, "handles": handles, "fd_index": [distinct.index(fd) for fd in fds]}, distinct
 
     @staticmethod
     def _send(conn: socket.socket, reply: dict, fds: list[int]) -> None:
         chunks = [fds[i:i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
+        sent = 0
         try:
-            for n, chunk in enumerate(chunks):
-                socket.send_fds(conn, [msgpack.packb(reply, use_bin_type=True) if n == 0 else MORE], chunk)
+            for chunk in chunks:
+                socket.send_fds(conn, [msgpack.packb(reply, use_bin_type=True) if sent == 0 else MORE], chunk)
+                sent += 1
         except OSError as err:  # EAGAIN: it does not read; anything else: it left
             log.warning("fd channel: dropped a reply that could not go out: %s", err)
+            if err.errno == errno.ETOOMANYREFS and sent == 0:  # the client still reads: tell it why, with no fd
+                with contextlib.suppress(OSError):
+                    conn.send(msgpack.packb({"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
+                        "the daemon cannot pass file descriptors now: its user has too many in flight in replies "
+                        "other processes have not read (ETOOMANYREFS); run it with CAP_SYS_RESOURCE, as the "
+                        "shipped systemd unit does, or stop the process that does not read them")}))
 
     def _drop(self, fd: int) -> None:
         conn, _ = self._open.pop(fd)
@@ -164,7 +181,8 @@ class FdChannelServer:
 
 
 def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> tuple[list[bytes], list[int]]:
-    """The worker's half: the handles and fds of the set in which this process holds ``slot``.
+    """The worker's half: the handles and fds of the set in which this process holds ``slot``: one fd
+    per handle, in their order, handles in one chunk sharing one fd (close each distinct fd once).
 
     ``slot`` is ``{group, name, rank}``. ``daemon_pid``, where given, must be
     the pid the kernel reports for the channel's server, so memory from any
@@ -185,7 +203,8 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
                 )
             sock.send(msgpack.packb(slot, use_bin_type=True))
             handles: list[bytes] | None = None
-            while handles is None or len(fds) < len(handles):
+            index: list[int] = []
+            while handles is None or len(fds) < len(set(index)):
                 _wait_at_most(sock, deadline - time.monotonic())
                 data, received, flags, _ = socket.recv_fds(
                     sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
@@ -199,8 +218,10 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
                 if flags & socket.MSG_TRUNC or not data:
                     raise ConnectionError(f"the daemon's fd channel at {path} cut its reply short")
                 if handles is None:
-                    handles = _handles_of(msgpack.unpackb(data, raw=False))
-            return handles, fds
+                    handles, index = _handles_of(msgpack.unpackb(data, raw=False))
+            if len(fds) != len(set(index)):
+                raise ConnectionError(f"the daemon's fd channel at {path} sent {len(fds)} fds for {len(set(index))}")
+            return handles, [fds[i] for i in index]
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -231,7 +252,8 @@ def _wait_at_most(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
 
 
-def _handles_of(reply: Any) -> list[bytes]:
+def _handles_of(reply: Any) -> tuple[list[bytes], list[int]]:
+    """The reply's handles, and for each the place of its fd among the fds sent."""
     if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "the daemon's fd channel sent a reply without 'ok'")
     if not reply["ok"]:
@@ -240,4 +262,9 @@ def _handles_of(reply: Any) -> list[bytes]:
         except ValueError:
             code = ErrorCode.INTERNAL
         raise ProtocolError(code, str(reply.get("message", "")))
-    return list(reply["handles"])
+    handles = list(reply["handles"])
+    index = reply.get("fd_index", list(range(len(handles))))
+    if (not isinstance(index, list) or len(index) != len(handles)
+            or sorted(set(index)) != list(range(len(set(index))))):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "the daemon's fd channel sent an fd_index that fits no handles")
+    return handles, index

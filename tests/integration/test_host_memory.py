@@ -75,7 +75,7 @@ def fetch_code(path: str, slot: dict) -> str:
         _, fds = fetch_fds(path, slot, 10)
     except ProtocolError as err:
         return err.code.value
-    for fd in fds:
+    for fd in set(fds):
         os.close(fd)
     return "GIVEN"
 

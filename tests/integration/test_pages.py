@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def test_an_eviction_aborts_the_page_before_it_frees_the_memory(daemon):
         assert "EVICTED" in aborted(m)["message"]
     assert [r["value"] for r in ask_all(members, "agree")] == [False, False]
     log = daemon.logs()
-    abort = log.index("control page of set 1 aborted: group=evicted name=default was evicted")
+    abort = re.search(r"control page of set \d+ aborted: group=evicted name=default was evicted", log).start()
     assert abort < log.index("group=evicted name=default freed"), log
     for m in members:
         m.end()
