@@ -70,6 +70,7 @@ class Rendezvous:
         self._quotas = quotas
         self._waits = waits
         self.index = SetIndex()
+        self._verdicts: dict[int | None, dict[int, BufferSet]] = {}  # uid -> its kept verdicts, oldest first
         self.rank_deaths = 0  # processes that died holding a rank of a buffer set
         # set ids start at a random point, so a set id from an earlier daemon run names no set of this one
         self._ids = secrets.randbits(40) << 20
@@ -256,7 +257,21 @@ class Rendezvous:
                 self._timers.cancel(*bset.timers)
                 keep = (now if now is not None else bset.created) + 2 * max(self._waits.rendezvous, bset.patience)
                 bset.timers[:] = [self._timers.at(keep, lambda t, b=bset: self._forget(b))]
+                self._keep_verdict(bset)
         return out
+
+    def _keep_verdict(self, bset: BufferSet) -> None:
+        """Count a kept verdict against its uid: past --max-groups-per-uid of them the oldest is forgotten
+        (its late ranks then wait out a rendezvous of their own), so failing sets on purpose holds no
+        memory and no per-request work beyond that share."""
+        kept = self._verdicts.setdefault(bset.owner_uid, {})
+        kept[bset.id] = bset
+        share = self._quotas.limits.max_groups_per_uid
+        while share is not None and len(kept) > share:
+            oldest = next(iter(kept.values()))
+            log.info("%s: its failure verdict is forgotten early: uid %s keeps more than %d", oldest.label,
+                     oldest.owner_uid, share)
+            self._forget(oldest)
 
     # ------------------------------------------------------------ commit and release
 
@@ -411,6 +426,9 @@ class Rendezvous:
         self._timers.cancel(*bset.timers)
         bset.timers.clear()
         self.index.remove(bset)
+        kept = self._verdicts.get(bset.owner_uid)
+        if kept is not None and kept.pop(bset.id, None) is not None and not kept:
+            del self._verdicts[bset.owner_uid]
         return []
 
     # ------------------------------------------------------------ by force, by death, by shutdown
@@ -482,4 +500,5 @@ class Rendezvous:
                 bset.commit.waiters = {}
             self._free_set(bset)
         self.index.clear()
+        self._verdicts.clear()
         return out

@@ -590,3 +590,19 @@ def test_a_rank_held_in_a_live_set_cannot_withdraw_from_it(reg):
     commit(reg, 0), commit(reg, 1)
     (refused,) = withdraw(reg, 0, npes=2)
     assert refused.error.code is ErrorCode.RANK_TAKEN
+
+
+def test_kept_verdicts_are_bounded_per_uid_oldest_forgotten_first(mem):
+    """Failing sets on purpose (withdrawals of fresh groups) keeps at most --max-groups-per-uid verdicts
+    of that uid; another uid's verdicts and sets are untouched."""
+    reg = Registry(mem.allocate, mem.free, limits=Limits(max_groups=8, max_groups_per_uid=3))
+    body = {"name": "n", "rank": 0, "npes": 2, "reason": "no CUDA"}
+    reg.withdraw(("o", 0), who(500, 2), {**body, "group": "other"}, 0.0)
+    for g in range(10):
+        reg.withdraw(("w", g), who(100, 1), {**body, "group": f"g{g}"}, 0.0)
+    assert sorted(b.group for b in reg.all_sets() if b.owner_uid == 1) == ["g7", "g8", "g9"]
+    assert [b.group for b in reg.all_sets() if b.owner_uid == 2] == ["other"]
+    (late,) = reg.join(("c", 1), who(101, 1), {"group": "g9", "name": "n", "rank": 1, "npes": 2, "nbytes": 64,
+                                               "device": "d", "flags": 0, "timeout": None}, 0.0)
+    assert late.error.code is ErrorCode.GROUP_FAILED, "a kept verdict still reaches its late rank"
+    assert reg.next_deadline() is not None and len(reg.all_sets()) == 3, "g9 heard by both: forgotten"
