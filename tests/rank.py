@@ -166,6 +166,26 @@ def stale_release(args) -> dict:
     return out
 
 
+def bad_timeouts(args) -> dict:
+    """tp_agree with deadlines no wait can honour, on the page (a PeerBuffer of the group) and through
+    the daemon (a group of explicit rank and npes): each path's refusal code, and a good round after."""
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    def codes(group, **where) -> list:
+        out = []
+        for bad in (float("nan"), float("inf"), -1.0, "5"):
+            try:
+                out.append(tp_agree(True, group, timeout=bad, **where))
+            except MonoUnsupported as err:
+                out.append(err.code)
+        return out + [tp_agree(True, group, timeout=5, **where)]
+
+    buf = PeerBuffer(args.nbytes, args.group, 0, 1)
+    on_page = codes(args.group)
+    buf.close()
+    return {"page": on_page, "messages": codes(args.group + "-msg", rank=0, npes=1)}
+
+
 def queued(args) -> dict:
     """A set built while this rank's stream is busy: its address copy is still queued behind the work,
     and a kernel on another stream must still read every rank's address, not what the memory held."""
@@ -495,6 +515,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,
     "cache": cache,
     "queued": queued,

@@ -46,3 +46,8 @@ def test_a_chunk_is_mapped_once_per_process_however_often_it_is_opened(daemon):
         assert r["same"] and r["driver_opens"] == 0, "a cached chunk must not reach the driver again"
         assert r["mapped_while_open"] == 1, "the three ranks' buffers share one chunk and one mapping"
         assert r["mapped_after_close"] == 1, "an unused chunk stays mapped for the next buffer in it"
+
+
+def test_a_deadline_no_wait_can_honour_is_refused_alike_on_the_page_and_through_the_daemon(daemon):
+    (r,) = run_ranks(daemon, "bad_timeouts", 1, "--group", "deadlines")
+    assert r["page"] == r["messages"] == ["BAD_REQUEST"] * 4 + [True], r
