@@ -74,7 +74,8 @@ class Agreement:
                 break
             del self.rounds[self.floor]
             self.floor += 1
-        if not self.rounds and (not self.beyond or passed >= max(self.calls.values(), default=0)):
+        entered = max((c for r, c in self.calls.items() if r not in self.dead), default=0)
+        if not self.rounds and (not self.beyond or passed >= entered):  # a dead rank's calls count for nothing
             self.calls.clear()
             self.floor, self.beyond, self.beyond_reason = 1, 0, ""
 
@@ -173,6 +174,7 @@ class Agreements:
             agreement.calls[rank] = max((c for r, c in agreement.calls.items() if r != rank), default=0)
             log.info("group=%s rank=%d: pid %d takes the place of the dead pid, from round %d", group, rank, pid,
                      agreement.calls[rank] + 1)
+            agreement.collect()
         if agreement is not None:
             return out, agreement
         refusal = self._quotas.agreements_refusal(uid, group)

@@ -290,6 +290,18 @@ def test_a_process_taking_a_dead_ranks_place_leaves_the_survivors_rounds_in_step
     assert verdict[("a", 0)]["ok"] and verdict[("a", 1)]["ok"] and verdict[("a", 2)]["ok"], verdict
 
 
+def test_a_rank_that_ran_ahead_and_died_leaves_its_peers_and_its_successor_a_real_next_round(reg):
+    for _ in range(MAX_RUN_AHEAD + 12):
+        agree(reg, 1)  # rounds past the window: False at once, rank 0 having entered none
+    for _ in range(MAX_RUN_AHEAD + 4):
+        agree(reg, 0)
+    reg.process_died(101, 1.0)
+    fresh = {"group": "a", "rank": 1, "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("n", 1), who(201), fresh, 2.0) == []
+    verdict = bodies(agree(reg, 0))
+    assert verdict[("a", 0)]["ok"] is True and verdict[("n", 1)]["ok"] is True, verdict
+
+
 def test_a_buffer_set_member_that_dies_fails_its_groups_agreement(reg):
     live_set(reg)  # group "g": ranks 0 and 1 hold buffers, neither has agreed yet
     agree(reg, 0, group="g")
