@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 2  # 2: commit takes `page`
+VERSION = 3  # 2: commit takes `page`; 3: join answers `set`, release names it, the fd channel sends an fd once
 
 #: seconds a join or an agreement waits for every rank unless the client or the operator sets
 #: another; the daemon announces its current value in hello and clients send it back as the deadline

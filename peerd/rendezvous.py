@@ -172,7 +172,10 @@ class Rendezvous:
         if held is not None and held.held:
             message = f"rank {rank} of {bset.label} is still held by pid {held.pid}{advice}"
             return refuse(caller, ErrorCode.RANK_TAKEN, message)
-        self.index.retire(bset)
+        if bset.holding_slots():
+            self.index.retire(bset)
+        else:  # a kept verdict: the new rendezvous replaces it
+            self._forget(bset)
         return None
 
     def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:
@@ -232,7 +235,8 @@ class Rendezvous:
         return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
 
     def _fail(
-        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = (), now: float | None = None
+        self, bset: BufferSet, code: ErrorCode, message: str, extra: list[Caller] = (), now: float | None = None,
+        keep: bool = True,
     ) -> Outbox:
         """Fail a set for every rank waiting on it (and ``extra`` callers). See Note [Failure verdicts are kept]."""
         error = ProtocolError(code, message)
@@ -253,10 +257,10 @@ class Rendezvous:
         if not bset.holding_slots():
             if len(bset.told) == bset.npes:
                 self._forget(bset)
-            else:  # keep the verdict for ranks that join late, then forget it
+            elif keep:  # keep the verdict for ranks that join late, then forget it
                 self._timers.cancel(*bset.timers)
-                keep = (now if now is not None else bset.created) + 2 * max(self._waits.rendezvous, bset.patience)
-                bset.timers[:] = [self._timers.at(keep, lambda t, b=bset: self._forget(b))]
+                until = (now if now is not None else bset.created) + 2 * max(self._waits.rendezvous, bset.patience)
+                bset.timers[:] = [self._timers.at(until, lambda t, b=bset: self._forget(b))]
                 self._keep_verdict(bset)
         return out
 
@@ -445,7 +449,7 @@ class Rendezvous:
             holders = {str(s.rank): s.pid for s in bset.holding_slots()}
             message = f"{bset.label} was evicted by an administrator"
             self.pages.evicted(bset)  # kernels polling the abort word stop before the memory is freed
-            out += self._fail(bset, ErrorCode.GROUP_FAILED, message)
+            out += self._fail(bset, ErrorCode.GROUP_FAILED, message, keep=False)  # forgotten just below
             for slot in bset.slots.values():
                 slot.held = False
             self._free_set(bset)

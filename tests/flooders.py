@@ -37,7 +37,7 @@ PARTIAL_BYTES = (1 << 20) - 1  # announced; one byte fewer is sent
 #: the longest key the daemon takes (protocol.MAX_KEY_CHARS, 128); the group
 #: and every name are this long
 KEY_CHARS = 128
-VERSION = 2  # protocol.VERSION: this script runs as other users, without peerd importable
+VERSION = 3  # protocol.VERSION: this script runs as other users, without peerd importable
 SETS_GROUP = "g" * KEY_CHARS
 WINDOW = 16  # requests the sets holder has in flight: a client that reads loses none
 

@@ -618,3 +618,19 @@ def test_kept_verdicts_are_bounded_per_uid_oldest_forgotten_first(mem):
                                                "device": "d", "flags": 0, "timeout": None}, 0.0)
     assert late.error.code is ErrorCode.GROUP_FAILED, "a kept verdict still reaches its late rank"
     assert reg.next_deadline() is not None and len(reg.all_sets()) == 3, "g9 heard by both: forgotten"
+
+
+def test_a_kept_verdict_replaced_or_evicted_leaves_the_uids_other_verdicts_kept(mem):
+    """A withdrawal that supersedes a kept verdict replaces it, and an eviction keeps none: neither may
+    push another group's verdict out of the uid's share."""
+    reg = Registry(mem.allocate, mem.free, limits=Limits(max_groups=8, max_groups_per_uid=2))
+    body = {"name": "n", "rank": 0, "npes": 2, "reason": "no CUDA"}
+    for group in ("gx", "g0", "g0"):
+        reg.withdraw(("w", group), who(100, 1), {**body, "group": group}, 0.0)
+    reg.join(("j", 0), who(100, 1), {"group": "gy", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d",
+                                     "flags": 0, "timeout": None}, 0.0)
+    reg.evict("gy", None)
+    assert sorted(b.group for b in reg.all_sets()) == ["g0", "gx"]
+    late = {"group": "gx", "name": "n", "rank": 1, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    (verdict,) = reg.join(("c", 1), who(101, 1), late, 0.0)
+    assert verdict.error.code is ErrorCode.GROUP_FAILED
