@@ -6,7 +6,8 @@ import logging
 import os
 import time
 
-from peerd.ops import timeout_problem
+from peerd.ops import OPS
+from peerd.protocol import ProtocolError, check_fields
 
 from .connection import GRACE_S, connection
 from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
@@ -30,11 +31,10 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     round False."""
     if group is None:
         return bool(ok)
-    if timeout is not None:  # both paths refuse a bad one alike: the page's wait would have no deadline
-        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        problem = timeout_problem(timeout) if number else f"must be a number of seconds, not {type(timeout).__name__}"
-        if problem:
-            raise MonoUnsupported(f"tp_agree: field 'timeout' {problem}", "BAD_REQUEST")
+    try:  # the agree op's own check, on both paths: the page's wait would have no deadline
+        check_fields("tp_agree", {"timeout": OPS["agree"].request["timeout"]}, {"timeout": timeout}, closed=True)
+    except ProtocolError as err:
+        raise MonoUnsupported(err.message, err.code.value) from None
     link = link_for(group) if isinstance(group, str) else None
     if link is not None and link.voter is not None and not link.daemon_gone and \
             (rank, npes) in ((None, None), (link.rank, link.npes)):  # a decode step's guard: nothing to resolve

@@ -70,8 +70,7 @@ def _cursor(value: list | None) -> str | None:
     return None
 
 
-def timeout_problem(value: float | None) -> str | None:
-    """What is wrong with a deadline in seconds (None: the daemon's default), or None."""
+def _timeout(value: float | None) -> str | None:
     if value is not None and not 0 < value <= MAX_TIMEOUT_S:
         return f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value}"
     return None
@@ -100,7 +99,7 @@ _GROUP = Field(str, key)
 _NAME = Field(str, key)
 _RANK = Field(int, between(0, MAX_RANKS - 1))
 _NPES = Field(int, between(1, MAX_RANKS))
-_TIMEOUT = Field((int, float, type(None)), timeout_problem, None)
+_TIMEOUT = Field((int, float, type(None)), _timeout, None)
 _SLOT = {"group": _GROUP, "name": _NAME, "rank": _RANK}
 _VERDICT = {"ok": Field(bool), "reason": Field(str)}
 _NUMBER = (int, float)
