@@ -53,6 +53,10 @@ class Agreement:
         live = [(self.calls.get(r, 0), r) for r in range(self.npes) if r not in self.dead]
         return min(live, default=(max(self.calls.values(), default=0), -1))
 
+    def most_entered(self, besides: int | None = None) -> int:
+        """The most rounds a live member (other than ``besides``) has entered: a dead one's count for nothing."""
+        return max((c for r, c in self.calls.items() if r not in self.dead and r != besides), default=0)
+
     def collect(self) -> None:
         """Forget rounds every live rank has passed; a dead rank passes them all.
 
@@ -74,8 +78,7 @@ class Agreement:
                 break
             del self.rounds[self.floor]
             self.floor += 1
-        entered = max((c for r, c in self.calls.items() if r not in self.dead), default=0)
-        if not self.rounds and (not self.beyond or passed >= entered):  # a dead rank's calls count for nothing
+        if not self.rounds and (not self.beyond or passed >= self.most_entered()):
             self.calls.clear()
             self.floor, self.beyond, self.beyond_reason = 1, 0, ""
 
@@ -126,18 +129,17 @@ class Agreements:
             return out + [refuse(caller, ErrorCode.NOT_MEMBER, message)]
         k = agreement.calls.get(rank, 0) + 1
         rnd = agreement.rounds.get(k)
-        if rnd is None and not agreement.beyond:
-            ahead = self._quotas.run_ahead(agreement, rank, k)
+        if rnd is None:
+            ahead = not agreement.beyond and self._quotas.run_ahead(agreement, rank, k)
             if ahead:
                 agreement.beyond, agreement.beyond_reason = k, ahead
                 log.warning("group=%s agreement rounds from %d on: False (%s)", group, k, ahead)
-        if rnd is None and agreement.beyond and k >= agreement.beyond:
-            agreement.calls[rank] = k
-            out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
-                                                            f"{agreement.beyond_reason}"}))
-            self._collect(agreement)  # the last rank to enter the last such round puts the group back in step
-            return out
-        if rnd is None:
+            if agreement.beyond and k >= agreement.beyond:
+                agreement.calls[rank] = k
+                out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
+                                                                f"{agreement.beyond_reason}"}))
+                self._collect(agreement)  # the last rank to enter the last such round puts the group in step
+                return out
             refusal = self._quotas.round_refusal(agreement)
             if refusal:
                 return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
@@ -171,7 +173,7 @@ class Agreements:
             # a survivor entered (each False already: the rank was dead), and the survivors keep their count
             del agreement.dead[rank]
             agreement.pids[rank] = pid
-            agreement.calls[rank] = max((c for r, c in agreement.calls.items() if r != rank), default=0)
+            agreement.calls[rank] = agreement.most_entered(besides=rank)
             log.info("group=%s rank=%d: pid %d takes the place of the dead pid, from round %d", group, rank, pid,
                      agreement.calls[rank] + 1)
             agreement.collect()
