@@ -152,10 +152,10 @@ class FdChannelServer:
         except Exception as err:  # a bug must cost one request, never the daemon
             log.exception("fd request of pid %d failed", who.pid)
             return {"ok": False, "code": ErrorCode.INTERNAL.value, "message": f"{type(err).__name__}: {err}"}, []
-        distinct = list(dict.fromkeys(fds))
-        if len(distinct) == len(fds):
+        place = {fd: n for n, fd in enumerate(dict.fromkeys(fds))}  # each distinct fd, in first-seen order
+        if len(place) == len(fds):
             return {"ok": True, "handles": handles}, fds
-        return {"ok": True, "handles": handles, "fd_index": [distinct.index(fd) for fd in fds]}, distinct
+        return {"ok": True, "handles": handles, "fd_index": [place[fd] for fd in fds]}, list(place)
 
     @staticmethod
     def _send(conn: socket.socket, reply: dict, fds: list[int]) -> None:
@@ -204,7 +204,8 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
             sock.send(msgpack.packb(slot, use_bin_type=True))
             handles: list[bytes] | None = None
             index: list[int] = []
-            while handles is None or len(fds) < len(set(index)):
+            distinct = 0
+            while handles is None or len(fds) < distinct:
                 _wait_at_most(sock, deadline - time.monotonic())
                 data, received, flags, _ = socket.recv_fds(
                     sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
@@ -219,8 +220,9 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
                     raise ConnectionError(f"the daemon's fd channel at {path} cut its reply short")
                 if handles is None:
                     handles, index = _handles_of(msgpack.unpackb(data, raw=False))
-            if len(fds) != len(set(index)):
-                raise ConnectionError(f"the daemon's fd channel at {path} sent {len(fds)} fds for {len(set(index))}")
+                    distinct = len(set(index))
+            if len(fds) != distinct:
+                raise ConnectionError(f"the daemon's fd channel at {path} sent {len(fds)} fds for {distinct}")
             return handles, [fds[i] for i in index]
         except BaseException:
             for fd in fds:
@@ -264,7 +266,7 @@ def _handles_of(reply: Any) -> tuple[list[bytes], list[int]]:
         raise ProtocolError(code, str(reply.get("message", "")))
     handles = list(reply["handles"])
     index = reply.get("fd_index", list(range(len(handles))))
-    if (not isinstance(index, list) or len(index) != len(handles)
+    if (not isinstance(index, list) or len(index) != len(handles) or not all(type(i) is int for i in index)
             or sorted(set(index)) != list(range(len(set(index))))):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "the daemon's fd channel sent an fd_index that fits no handles")
     return handles, index
