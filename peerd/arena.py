@@ -33,6 +33,11 @@ Rules:
   long done. A new chunk is zeroed whole before its first buffer.
 - **Big requests** (over a chunk) get a chunk of their own, returned to the
   driver as soon as that buffer is freed.
+- **Ready before handed out.** A backend may reserve a new chunk's memory
+  off the daemon's loop (the host backend: peerd.backends.host); the daemon
+  opens a set only once every chunk it uses is ``ready``. A chunk whose
+  memory could not be had after all is ``forsake``n: nothing more goes in
+  it, and it goes back once its last buffer is released.
 - **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
   (``sweep``; at once when ``idle_s`` is 0), and every empty chunk on
   ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
@@ -108,6 +113,7 @@ class Chunk:
     zeroing: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) freed, zeroes not waited for
     empty_since: float | None = None
     mappers: set[int] = field(default_factory=set)  # live pids handed it: Note [No free under a mapping]
+    forsaken: bool = False  # its memory could not be had after all: nothing more goes in, it goes once empty
 
     @property
     def handed_out(self) -> int:
@@ -168,8 +174,8 @@ class Arenas:
         """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
         size = align(nbytes)
         if size <= self.chunk_bytes:
-            shared = [c for c in self.chunks.values()
-                      if c.uid == uid and c.device == device and c.flags == flags and not c.dedicated]
+            shared = [c for c in self.chunks.values() if c.uid == uid and c.device == device and c.flags == flags
+                      and not c.dedicated and not c.forsaken]
             for settle in (False, True):  # ranges ready now first; those still zeroing only when nothing else fits
                 for chunk in shared:
                     if settle and chunk.zeroing:
@@ -217,10 +223,21 @@ class Arenas:
             chunk.mappers.discard(pid)
         return self.sweep(now)
 
+    def forsake(self, chunk: Chunk) -> None:
+        """The backend could not give the chunk's memory after all (a reservation off the loop failed):
+        no buffer goes in it any more, and it goes back once its last buffer is released."""
+        chunk.forsaken = True
+        if not chunk.used and chunk.id in self.chunks:
+            self._drop(chunk)
+
     def release(self, placement: Placement, now: float) -> None:
         """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
         chunk = placement.chunk
         size = chunk.used.pop(placement.offset)
+        if chunk.forsaken:
+            if not chunk.used:
+                self._drop(chunk)  # no process was handed it: its handles never went out
+            return
         if chunk.dedicated or (self.idle_s == 0 and not chunk.used and not chunk.mappers):
             self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
             return

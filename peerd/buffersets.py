@@ -87,6 +87,11 @@ class BufferSet:
     def key(self) -> tuple[int | None, str, str]:
         return (self.owner_uid, self.group, self.name)
 
+    def awaited(self) -> str:
+        """What a joining set waits for, as in "died before ...": its ranks, or once all joined, its memory
+        (a backend may reserve it off the daemon's loop)."""
+        return "its set's memory was ready" if len(self.slots) == self.npes else "every rank joined"
+
     def move(self, to: State, failure: ProtocolError | None = None) -> None:
         """Change state, if the life of a set allows it; a failed set keeps ``failure`` as its verdict."""
         if to not in TRANSITIONS[self.state]:

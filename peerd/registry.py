@@ -27,7 +27,7 @@ from .outbox import Caller, Outbox
 from .pages import NoPages, Pages
 from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
-from .rendezvous import Allocate, Free, Handed, Rendezvous
+from .rendezvous import Allocate, Free, Handed, Ready, Rendezvous
 from .timers import Timers, Waits
 
 
@@ -44,12 +44,13 @@ class Registry:
         admins: frozenset[int] = frozenset({0}),
         handed: Handed = lambda allocations, pids: None,  # memory that needs no record of who maps it
         pages: NoPages | Pages = NoPages(),
+        ready: Ready = lambda allocation: True,  # memory handed out as soon as it is allocated
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
         self._quotas = Quotas(limits)
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
-        self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages)
+        self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages, ready)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:
@@ -91,6 +92,10 @@ class Registry:
         for entry in evicted:
             holders.setdefault((entry["uid"], entry["group"]), set()).update(entry["holders"].values())
         return out + self._agreements.evict(group, uid, holders), evicted
+
+    def memory_ready(self, now: float) -> Outbox:
+        """The backend has memory ready that was not: the sets waiting for it open (or fail)."""
+        return self._sets.memory_ready(now)
 
     def process_died(self, pid: int, now: float) -> Outbox:
         """A client process is gone: fail what waits on it, drop what it held."""

@@ -29,6 +29,7 @@ from .outbox import Caller, Outbox, Send, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
+from .sizes import human
 from .timers import Timers, Waits
 
 log = logging.getLogger("peerd.rendezvous")
@@ -36,6 +37,7 @@ log = logging.getLogger("peerd.rendezvous")
 Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
 Free = Callable[[Allocation], None]
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
+Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
 
 SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
@@ -61,9 +63,11 @@ class Rendezvous:
     """Every buffer set's rules; the sets themselves live in ``index``."""
 
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
-                 pages: NoPages | Pages = NoPages()):
+                 pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._allocate = allocate
+        self._ready = ready
+        self._unready: dict[int, BufferSet] = {}  # id -> a set every rank joined whose memory is not ready yet
         self._free = free
         self._handed = handed
         self._timers = timers
@@ -139,7 +143,27 @@ class Rendezvous:
         if len(bset.slots) < bset.npes:
             bset.timers.append(self._timers.at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
             return []
+        return self._open_when_ready(bset, now)
+
+    def _open_when_ready(self, bset: BufferSet, now: float) -> Outbox:
+        """Every rank joined: open the set once the memory of every rank is ready (a backend may still
+        reserve it off the loop: ``memory_ready`` comes back here), or fail it where some never will be."""
+        try:
+            waiting = [s.rank for s in bset.slots.values() if not self._ready(s.allocation)]
+        except ProtocolError as err:
+            return self._fail(bset, err.code, f"{bset.label}: {err.message}", now=now)
+        if waiting:
+            self._unready[bset.id] = bset
+            return []
+        self._unready.pop(bset.id, None)
         return self._open(bset)
+
+    def memory_ready(self, now: float) -> Outbox:
+        """The backend has memory ready that was not: open (or fail) the sets that waited for it."""
+        out: Outbox = []
+        for bset in list(self._unready.values()):
+            out += self._open_when_ready(bset, now)
+        return out
 
     def withdraw(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         """A rank that cannot take part: every rank waiting fails now, ranks still to come on arrival.
@@ -228,10 +252,10 @@ class Rendezvous:
         if bset.state is not State.JOINING:
             return []
         waited = now - min(s.joined_at for s in bset.slots.values())
-        message = (
-            f"rendezvous of {bset.label} timed out after {waited:.1f}s: "
-            f"rank(s) {bset.missing()} of {bset.npes} never joined (joined: {bset.who()})"
-        )
+        missing = bset.missing()
+        why = (f"rank(s) {missing} of {bset.npes} never joined (joined: {bset.who()})" if missing else
+               f"every rank joined, but the {human(bset.nbytes)} buffers of its ranks were still being reserved")
+        message = f"rendezvous of {bset.label} timed out after {waited:.1f}s: {why}"
         return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
 
     def _fail(
@@ -241,6 +265,7 @@ class Rendezvous:
         """Fail a set for every rank waiting on it (and ``extra`` callers). See Note [Failure verdicts are kept]."""
         error = ProtocolError(code, message)
         log.warning("%s failed: %s", bset.label, message)
+        self._unready.pop(bset.id, None)
         out = [Send(c, error=error) for c in extra]
         if bset.state is State.JOINING:
             # nobody has the handles yet, so nobody can have mapped the memory
@@ -345,7 +370,7 @@ class Rendezvous:
             return [Send(caller, error=error)]
         slot, pid = bset.slots[req["rank"]], who.pid
         if bset.state is State.JOINING:
-            message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before every rank joined"
+            message = f"rank {slot.rank} (pid {pid}) of {bset.label} withdrew before {bset.awaited()}"
             return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {"freed": True})]
         out: Outbox = []
         if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
@@ -475,7 +500,7 @@ class Rendezvous:
                 if bset.state is State.JOINING:
                     slot.waiter = None
                     bset.told.add(slot.rank)  # the dead need no verdict
-                    out += self._fail(bset, ErrorCode.RANK_DIED, message + " before every rank joined", now=now)
+                    out += self._fail(bset, ErrorCode.RANK_DIED, f"{message} before {bset.awaited()}", now=now)
                     break
                 if bset.state is State.OPENING and slot.rank not in bset.commit.votes:
                     out += self._fail_opening(bset, ErrorCode.RANK_DIED, message + " before it mapped its peers")

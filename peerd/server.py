@@ -9,6 +9,7 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -99,7 +100,7 @@ class Daemon:
         self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-group areas
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
-            admins=self._admins, handed=backend.handed, pages=self.pages,
+            admins=self._admins, handed=backend.handed, pages=self.pages, ready=self._ready,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(
@@ -261,6 +262,8 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self.backend.ready_fd is not None:
+            poller.register(self.backend.ready_fd, zmq.POLLIN)
         self._fd_channel.attach(poller)
         self._poller = poller
         while not self._stopping:
@@ -287,6 +290,10 @@ class Daemon:
             out += self.registry.process_died(pid, now)
             self.backend.process_gone(pid)
             self.pages.process_gone(pid)
+        if self.backend.ready_fd is not None and self.backend.ready_fd in events:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.backend.ready_fd, 4096)
+            out += self.registry.memory_ready(now)
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
         self._fd_channel.serve(events, now)
@@ -445,16 +452,26 @@ class Daemon:
         return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop))]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
-        """The registry's allocate: the one place where a backend's failure becomes an error code."""
-        try:
+        """The registry's allocate."""
+        with _as_error_code(f"allocating {nbytes} bytes on {device}"):
             return self.backend.allocate(nbytes, device, flags, uid)
-        except UnknownDevice as err:
-            raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
-        except OverCap as err:
-            raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, str(err)) from None
-        except AllocationFailed as err:
-            raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
-        except Exception as err:
-            raise ProtocolError(
-                ErrorCode.ALLOCATION_FAILED, f"allocating {nbytes} bytes on {device} failed: {err}"
-            ) from err
+
+    def _ready(self, allocation: Allocation) -> bool:
+        """The registry's ready."""
+        with _as_error_code(f"reserving {allocation.size} bytes on {allocation.device}"):
+            return self.backend.ready(allocation)
+
+
+@contextlib.contextmanager
+def _as_error_code(doing: str):
+    """The one place where a backend's failure becomes an error code."""
+    try:
+        yield
+    except UnknownDevice as err:
+        raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
+    except OverCap as err:
+        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, str(err)) from None
+    except AllocationFailed as err:
+        raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
+    except Exception as err:
+        raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"{doing} failed: {err}") from err

@@ -73,6 +73,14 @@ class MemoryBackend(ABC):
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """A zero-filled buffer of at least nbytes for processes of ``uid``; AllocationFailed or UnknownDevice when impossible."""
 
+    #: readable when memory that was not ``ready`` may be now (then call ``ready`` again); None: always ready
+    ready_fd: int | None = None
+
+    def ready(self, allocation: Allocation) -> bool:
+        """Whether the buffer's memory may be handed out yet (a backend may still reserve it off the
+        daemon's loop); AllocationFailed where it could not be had after all."""
+        return True
+
     @abstractmethod
     def free(self, allocation: Allocation) -> None:
         """Give the memory back; called once, after every rank released it."""
@@ -121,6 +129,14 @@ class ChunkMemory(ABC):
     @abstractmethod
     def zero(self, token: Any, offset: int, nbytes: int) -> None:
         """Start zeroing a range of a chunk; ``sync`` waits for it."""
+
+    #: readable when a chunk that was not ``ready`` may be now; None where every chunk is ready at once
+    ready_fd: int | None = None
+
+    def ready(self, token: Any) -> bool:
+        """Whether a chunk may be handed out yet (it may still be reserved off the loop); AllocationFailed
+        where it could not be had after all."""
+        return True
 
     def sync(self, token: Any) -> None:
         """Wait for the zeroing started on a chunk (nothing where ``zero`` is synchronous)."""

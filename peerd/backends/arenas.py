@@ -65,6 +65,19 @@ class ArenaMemory(MemoryBackend):
         return Allocation(self.name, chunk.handle, placement.size, device, token=placement,
                           offset=placement.offset, chunk_size=chunk.size)
 
+    @property
+    def ready_fd(self) -> int | None:
+        return self.chunks.ready_fd
+
+    def ready(self, allocation: Allocation) -> bool:
+        chunk = allocation.token.chunk
+        try:
+            return self.chunks.ready(chunk.token)
+        except Exception:
+            with self._lock:
+                self.arenas.forsake(chunk)
+            raise
+
     def free(self, allocation: Allocation) -> None:
         placement: Placement = allocation.token
         with self._lock:

@@ -254,3 +254,74 @@ def test_a_socket_path_leaves_room_for_the_fd_channel_beside_it():
     assert check_socket_path("/" + "s" * 103) == "/" + "s" * 103
     with pytest.raises(ValueError, match="longer than 104 bytes"):
         check_socket_path("/" + "s" * 104)
+
+
+def _dealer(path: str):
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{path}")
+    return sock
+
+
+def _ask(sock, op: str, body: dict, request_id: int = 1):
+    """One raw request on ``sock`` and its decoded reply."""
+    from peerd import protocol
+
+    sock.send(protocol.encode_request(request_id, op, body))
+    assert sock.poll(60_000), f"{op} was never answered"
+    return protocol.decode_reply(sock.recv())
+
+
+def _join_one(group: str, nbytes: int) -> dict:
+    return {"group": group, "name": "default", "rank": 0, "npes": 1, "nbytes": nbytes, "device": "host", "flags": 0,
+            "timeout": 60}
+
+
+def test_a_huge_buffer_reserved_off_the_loop_holds_up_no_other_set_and_is_freed_off_it_too(daemon):
+    """Reserving (and freeing) a big buffer's pages takes the kernel about 0.25 s per GiB: on the
+    daemon's loop it stalled every other user's setup. Now, while a 1 GiB set waits for its memory
+    (every rank joined), the daemon answers, and a small set made meanwhile opens first; both end
+    with every memfd closed."""
+    from peerd import protocol
+
+    huge, small, look = (_dealer(daemon.socket) for _ in range(3))
+    huge.send(protocol.encode_request(1, "join", _join_one("huge", 1 << 30)))
+    seen = {}
+    wait_until(lambda: seen.update(g=[g for g in _ask(look, "ls", {}).body["groups"] if g["group"] == "huge"])
+               or seen["g"], 30, "the daemon to read the huge join")
+    assert seen["g"][0]["state"] == "joining" and seen["g"][0]["joined"] == [0], \
+        ("every rank in, its memory still being reserved, and the daemon answering", seen)
+    opened = _ask(small, "join", _join_one("small", 4096))
+    assert opened.ok and opened.body["sizes"] == [4096], opened
+    assert not huge.poll(0), "the small set opened while the 1 GiB one still waited for its memory"
+    assert huge.poll(60_000), "the huge join was never answered"
+    reply = protocol.decode_reply(huge.recv())
+    assert reply.ok and reply.body["sizes"] == [1 << 30], reply
+    for sock, group, joined in ((huge, "huge", reply), (small, "small", opened)):
+        released = _ask(sock, "release", {"group": group, "name": "default", "rank": 0, "set": joined.body["set"]}, 2)
+        assert released.ok, released
+    for sock in (huge, small, look):
+        sock.close()
+    wait_until(lambda: daemon.segments() == [], 30, "the daemon to close both memfds")
+
+
+def test_a_buffer_past_the_memory_the_machine_has_available_is_refused_before_any_is_taken(socket_dir):
+    """Reserving past MemAvailable would have the kernel swap and call the OOM killer on some process:
+    the join is refused with the numbers instead, and the daemon serves on."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               args=("--max-buffer-bytes", f"{2 * total}")).start()
+    try:
+        sock = _dealer(d.socket)
+        refused = _ask(sock, "join", _join_one("greedy", 2 * total))
+        assert not refused.ok and refused.error.code is ErrorCode.ALLOCATION_FAILED, refused
+        assert f"cannot reserve {2 * total} bytes" in refused.error.message and "available" in refused.error.message
+        fine = _ask(sock, "join", _join_one("modest", 4096), 2)
+        assert fine.ok, fine
+        assert _ask(sock, "release", {"group": "modest", "name": "default", "rank": 0, "set": fine.body["set"]}, 3).ok
+        sock.close()
+        wait_until(lambda: d.segments() == [], 10, "the modest buffer's memfd to close")
+    finally:
+        assert d.stop() == 0, d.logs()

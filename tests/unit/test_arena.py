@@ -235,3 +235,21 @@ def test_where_the_mapping_keeps_memory_alive_chunks_go_back_when_idle(source):
     arenas.handed([a], [7])
     arenas.release(a, 0.0)
     assert [c.id for c in arenas.sweep(10.0)] == [a.chunk.id]
+
+
+def test_a_forsaken_chunk_takes_no_new_buffer_and_goes_back_with_its_last_one_unzeroed(arenas, source):
+    """Its memory could not be reserved after all: the sets in it fail, nothing more is placed there,
+    and it is freed, not zeroed, once they are released."""
+    a, b = arenas.place(4096, "gpu0", 0, 1000), arenas.place(4096, "gpu0", 0, 1000)
+    arenas.forsake(a.chunk)
+    c = arenas.place(4096, "gpu0", 0, 1000)
+    assert c.chunk is not a.chunk, "a new chunk, not the forsaken one"
+    arenas.release(a, 0.0)
+    assert source.freed == [] and a.chunk.id in arenas.chunks, "b is still in it"
+    arenas.release(b, 0.0)
+    assert source.freed == [a.chunk.token] and not source.pending, "freed at its last release, nothing zeroed"
+    empty = arenas.place(CHUNK, "gpu0", 0, 2000)
+    arenas.forsake(empty.chunk)
+    arenas.release(empty, 0.0)
+    arenas.forsake(empty.chunk)  # every set in it hears the failure: forsaken more than once
+    assert source.freed == [a.chunk.token, empty.chunk.token]

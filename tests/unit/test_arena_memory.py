@@ -1,9 +1,16 @@
 """ArenaMemory: the registry's allocate and free over a backend's chunks, and the thread that returns idle ones."""
 
+import errno
+import os
+import select
+import threading
 import time
 
-from peerd.backends import ChunkMemory
+import pytest
+
+from peerd.backends import AllocationFailed, ChunkMemory, host
 from peerd.backends.arenas import ArenaMemory, ArenaSettings
+from peerd.sizes import human
 
 
 class Chunks(ChunkMemory):
@@ -59,3 +66,60 @@ def test_the_sweeper_gives_an_idle_chunk_back_by_itself():
         time.sleep(0.01)
     assert chunks.live == set() and memory.usage() == []
     memory.close()
+
+
+def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_why(monkeypatch):
+    """posix_fallocate of a big chunk takes seconds: the host backend runs it on a thread, wakes
+    ``ready_fd`` once it ended, and ``ready`` then says yes, or raises the reason."""
+    memory = host.Memory()
+    go = threading.Event()
+    real = os.posix_fallocate
+
+    def held(fd, offset, nbytes):  # the kernel's work, made to wait for the test
+        go.wait(10)
+        if nbytes == 3 << 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, nbytes)
+
+    monkeypatch.setattr(host.os, "posix_fallocate", held)
+    try:
+        _, fine = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
+        _, short = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
+        assert not memory.ready(fine) and not memory.ready(short), "allocate_chunk returned before the reservation"
+        assert not select.select([memory.ready_fd], [], [], 0)[0], "nothing to wake the loop for yet"
+        go.set()
+        woken, wait_for = b"", time.monotonic() + 10
+        while len(woken) < 2 and select.select([memory.ready_fd], [], [], wait_for - time.monotonic())[0]:
+            woken += os.read(memory.ready_fd, 4096)
+        assert woken == b"\0\0", "the loop is woken once per chunk, after its reservation ended"
+        assert memory.ready(fine) and os.fstat(fine.fd).st_blocks * 512 >= 2 << 20, "its pages are really there"
+        with pytest.raises(AllocationFailed, match="cannot reserve 3145728 bytes of shared memory: .*No space left"):
+            memory.ready(short)
+        for token in (fine, short):
+            memory.free_chunk(token)
+    finally:
+        memory.close()
+
+
+def test_a_host_chunk_that_would_leave_the_machine_short_is_refused_with_the_numbers(monkeypatch):
+    """Reservations under way count as taken: two that fit one at a time do not both fit."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = int(total * host.HEADROOM_SHARE)
+    monkeypatch.setattr(host, "_mem_available", lambda: headroom + (6 << 20))
+    go = threading.Event()
+    monkeypatch.setattr(host, "_reserve", lambda fd, nbytes: go.wait(10) and os.close(fd))
+    memory = host.Memory()
+    try:
+        _, first = memory.allocate_chunk(4 << 20, host.DEVICE, 0)
+        with pytest.raises(AllocationFailed) as refused:
+            memory.allocate_chunk(4 << 20, host.DEVICE, 0)
+        assert str(refused.value).startswith(f"cannot reserve 4194304 bytes (4.0 MiB) of shared memory: the machine has "
+                                             f"{human(headroom + (2 << 20))} available"), refused.value
+        go.set()
+        wait_for = time.monotonic() + 10
+        while not memory.ready(first) and time.monotonic() < wait_for:
+            time.sleep(0.01)
+        memory.free_chunk(first)
+    finally:
+        go.set()
+        memory.close()

@@ -186,6 +186,67 @@ def test_allocation_failure_fails_every_rank(reg, mem):
     assert mem.live == {}
 
 
+class SlowMemory(FakeMemory):
+    """Memory a backend still reserves off the loop: ``ready`` is False until the test says otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.reserved: set[bytes] = set()
+        self.failed: dict[bytes, ProtocolError] = {}
+
+    def ready(self, allocation):
+        if allocation.handle in self.failed:
+            raise self.failed[allocation.handle]
+        return allocation.handle in self.reserved
+
+
+@pytest.fixture
+def slow():
+    memory = SlowMemory()
+    return memory, Registry(memory.allocate, memory.free, rendezvous_timeout=10, agreement_timeout=10,
+                            ready=memory.ready)
+
+
+def test_a_set_opens_only_once_every_ranks_memory_is_ready(slow):
+    mem, reg = slow
+    join(reg, 0)
+    assert join(reg, 1) == [] and reg.memory_ready(0.1) == [], "every rank in, the memory not yet reserved"
+    mem.reserved.add(b"h1")
+    assert reg.memory_ready(0.2) == [], "rank 1's memory is still being reserved"
+    mem.reserved.add(b"h2")
+    opened = bodies(reg.memory_ready(0.3))
+    assert set(opened) == {("c", 0), ("c", 1)} and opened[("c", 0)]["handles"] == [b"h1", b"h2"]
+    assert reg.memory_ready(0.4) == [], "opened once"
+
+
+def test_memory_that_could_not_be_reserved_fails_the_set_for_every_rank_and_is_freed(slow):
+    mem, reg = slow
+    join(reg, 0)
+    join(reg, 1)
+    mem.failed[b"h2"] = ProtocolError(ErrorCode.ALLOCATION_FAILED, "cannot reserve 64 bytes: No space left")
+    failed = errors(reg.memory_ready(0.1))
+    assert set(failed) == {("c", 0), ("c", 1)} and {e.code for e in failed.values()} == {ErrorCode.ALLOCATION_FAILED}
+    assert "cannot reserve 64 bytes: No space left" in failed[("c", 0)].message and mem.live == {}
+    assert reg.memory_ready(0.2) == [], "a failed set waits for nothing"
+
+
+def test_a_set_waiting_for_its_memory_fails_on_a_death_or_its_timeout_and_is_forgotten(slow):
+    mem, reg = slow
+    join(reg, 0)
+    join(reg, 1)
+    died = errors(reg.process_died(101, 1.0))
+    assert died[("c", 0)].code is ErrorCode.RANK_DIED and "died before its set's memory was ready" in \
+        died[("c", 0)].message, died
+    mem.reserved.update({b"h1", b"h2"})
+    assert reg.memory_ready(1.1) == [] and mem.live == {}, "the dead set does not open"
+    join(reg, 0, name="other", now=2.0)
+    join(reg, 1, name="other", now=2.0)
+    timed_out = errors(reg.expire(12.0))
+    assert {e.code for e in timed_out.values()} == {ErrorCode.TIMEOUT}
+    assert "every rank joined, but the 64 B buffers of its ranks were still being reserved" in \
+        timed_out[("c", 0)].message, timed_out
+
+
 def test_a_new_set_can_take_a_key_while_an_old_one_is_still_held(reg, mem):
     live_set(reg)
     release(reg, 0)  # rank 0 starts over while rank 1 still holds the old set
