@@ -58,8 +58,10 @@ FDS_PER_MESSAGE = 250
 MAX_REQUEST_BYTES = 4096
 #: room for the reply naming 1024 handles
 MAX_REPLY_BYTES = 1 << 16
-#: open connections at most; past it the oldest is dropped
+#: open connections at most; past it the oldest of the uid holding the most is dropped
 MAX_CONNECTIONS = 64
+#: open connections of one uid at most; past it that uid's own oldest is dropped, never another's
+MAX_CONNECTIONS_PER_UID = 16
 #: how long a connection may take to send its request
 REQUEST_WAIT_S = 1.0
 #: what the messages after the first carry besides their fds
@@ -82,7 +84,7 @@ class FdChannelServer:
         self._listener.bind(path)
         secure_socket(path, gid)
         self._listener.listen(MAX_CONNECTIONS)
-        self._open: dict[int, tuple[socket.socket, float]] = {}  # fd -> (connection, deadline), oldest first
+        self._open: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, deadline, uid), oldest first
         self._poller: zmq.Poller | None = None
 
     def attach(self, poller: zmq.Poller) -> None:
@@ -98,7 +100,7 @@ class FdChannelServer:
             self._respond(fd)
         if self._listener.fileno() in events:
             self._accept(now)
-        for fd, (_, deadline) in list(self._open.items()):
+        for fd, (_, deadline, _) in list(self._open.items()):
             if deadline > now:
                 break
             self._drop(fd)
@@ -120,11 +122,26 @@ class FdChannelServer:
                 log.warning("cannot accept on the fd channel: %s", err)
                 return
             conn.setblocking(False)
-            if len(self._open) >= MAX_CONNECTIONS:
-                self._drop(next(iter(self._open)))
-            self._open[conn.fileno()] = (conn, now + REQUEST_WAIT_S)
+            try:
+                uid = peer_credentials(conn).uid
+            except OSError:  # it left already
+                conn.close()
+                continue
+            self._make_room(uid)
+            self._open[conn.fileno()] = (conn, now + REQUEST_WAIT_S, uid)
             self._poller.register(conn.fileno(), zmq.POLLIN)
             self._respond(conn.fileno())  # a client sends its request right after connect: no turn of the loop lost
+
+    def _make_room(self, uid: int) -> None:
+        """Room for one more connection of ``uid``: a flood of idle connections pushes out only the
+        flooder's own, so a request another user has just connected for is still read."""
+        by_uid: dict[int, list[int]] = {}
+        for fd, (_, _, owner) in self._open.items():
+            by_uid.setdefault(owner, []).append(fd)
+        if len(by_uid.get(uid, ())) >= MAX_CONNECTIONS_PER_UID:
+            self._drop(by_uid[uid][0])
+        elif len(self._open) >= MAX_CONNECTIONS:
+            self._drop(max(by_uid.values(), key=len)[0])
 
     def _respond(self, fd: int) -> None:
         conn = self._open[fd][0]
@@ -175,7 +192,7 @@ class FdChannelServer:
                         "shipped systemd unit does, or stop the process that does not read them")}))
 
     def _drop(self, fd: int) -> None:
-        conn, _ = self._open.pop(fd)
+        conn, _, _ = self._open.pop(fd)
         self._poller.unregister(fd)
         conn.close()
 

@@ -250,6 +250,37 @@ def test_the_fd_channel_drops_oversized_idle_and_excess_connections_and_serves_o
     assert daemon.cli("status").returncode == 0
 
 
+def test_a_flood_of_idle_fd_channel_connections_pushes_out_only_the_flooders_own(socket_dir, users):
+    """Another user in the socket group opens connections and sends nothing: past its share of 16 its
+    own oldest go, so a member's connection accepted before the flood is still answered."""
+    os.chmod(socket_dir, 0o755)
+    d = Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log",
+               args=("--socket-group", GROUP)).start()
+    try:
+        path = fd_socket_path(d.socket)
+        member = connect(path, 30)  # accepted first (the backlog is in order), its request still to come
+
+        def flood() -> dict:
+            import select
+            import time
+
+            socks = [connect(path, 30) for _ in range(100)]
+            dropped, until = set(), time.monotonic() + 0.5  # well inside the member's 1 s to send
+            while len(dropped) < 100 - 16 and time.monotonic() < until:
+                for sock in select.select([s for s in socks if s not in dropped], [], [], 0.05)[0]:
+                    dropped.add(sock)  # readable with nothing sent: closed by the daemon
+            return {"dropped": len(dropped)}
+
+        flooded = as_user(users[USER_A], flood)
+        assert flooded.get("dropped") == 100 - 16, ("all but its share of 16 pushed out, none timed out yet", flooded)
+        member.send(msgpack.packb({"group": "nobody", "name": "default", "rank": 0}))
+        assert msgpack.unpackb(member.recv(65536))["code"] == "NOT_FOUND", "answered, not pushed out"
+        member.close()
+        assert d.cli("status").returncode == 0
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
 def test_a_socket_path_leaves_room_for_the_fd_channel_beside_it():
     assert check_socket_path("/" + "s" * 103) == "/" + "s" * 103
     with pytest.raises(ValueError, match="longer than 104 bytes"):
