@@ -82,8 +82,12 @@ class OverCap(Exception):
 class ChunkSource(Protocol):
     """What an arena needs of a backend: chunks of device memory, exported once."""
 
-    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, Any]:
-        """A zero-filled chunk: (its exported handle, the backend's token); raises AllocationFailed."""
+    def allocate_chunk(self, nbytes: int, device: str, flags: int, uid: int | None = None) -> tuple[bytes, Any]:
+        """A zero-filled chunk for ``uid``'s buffers: (its exported handle, the backend's token); raises
+        AllocationFailed."""
+
+    def ready(self, token: Any) -> bool:
+        """Whether the chunk may be handed out yet; raises AllocationFailed where it never will be."""
 
     def zero(self, token: Any, offset: int, nbytes: int) -> None:
         """Start zeroing a range (it may run asynchronously until ``sync``)."""
@@ -174,8 +178,8 @@ class Arenas:
         """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
         size = align(nbytes)
         if size <= self.chunk_bytes:
-            shared = [c for c in self.chunks.values() if c.uid == uid and c.device == device and c.flags == flags
-                      and not c.dedicated and not c.forsaken]
+            shared = [c for c in list(self.chunks.values()) if c.uid == uid and c.device == device
+                      and c.flags == flags and not c.dedicated and self._usable(c)]
             for settle in (False, True):  # ranges ready now first; those still zeroing only when nothing else fits
                 for chunk in shared:
                     if settle and chunk.zeroing:
@@ -185,6 +189,16 @@ class Arenas:
                         return self._hand_out(chunk, offset, size)
         chunk = self._new_chunk(max(size, self.chunk_bytes), device, flags, uid, dedicated=size > self.chunk_bytes)
         return self._hand_out(chunk, chunk.take(size), size)
+
+    def _usable(self, chunk: Chunk) -> bool:
+        """Not forsaken, and not failed since: a chunk whose memory could not be had takes nothing more,
+        even where every set that knew of it failed before asking."""
+        if not chunk.forsaken:
+            try:
+                self._source.ready(chunk.token)
+            except Exception:
+                self.forsake(chunk)
+        return not chunk.forsaken
 
     def _hand_out(self, chunk: Chunk, offset: int, size: int) -> Placement:
         chunk.empty_since = None
@@ -205,7 +219,7 @@ class Arenas:
                 f"({human(size)}) on {device} would pass its cap of {self.cap_per_uid} bytes "
                 f"({human(self.cap_per_uid)}) (--arena-max-bytes-per-uid); release buffers it no longer uses"
             )
-        handle, token = self._source.allocate_chunk(size, device, flags)
+        handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
         chunk = Chunk(next(self._ids), uid, device, flags, size, handle, token, dedicated, free=[[0, size]])
         self.chunks[chunk.id] = chunk
         return chunk

@@ -122,9 +122,9 @@ class ChunkMemory(ABC):
         """Each device served: identity, name, memory, the daemon's footprint."""
 
     @abstractmethod
-    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, Any]:
-        """A zero-filled chunk of nbytes: (its exported handle, a token for the calls below);
-        AllocationFailed or UnknownDevice when impossible."""
+    def allocate_chunk(self, nbytes: int, device: str, flags: int, uid: int | None = None) -> tuple[bytes, Any]:
+        """A zero-filled chunk of nbytes for processes of ``uid``: (its exported handle, a token for the
+        calls below); AllocationFailed or UnknownDevice when impossible."""
 
     @abstractmethod
     def zero(self, token: Any, offset: int, nbytes: int) -> None:

@@ -196,7 +196,7 @@ class Memory(ChunkMemory):
             described.append(d)
         return described
 
-    def allocate_chunk(self, nbytes: int, device: str, flags: int) -> tuple[bytes, tuple[int, int]]:
+    def allocate_chunk(self, nbytes: int, device: str, flags: int, uid: int | None = None) -> tuple[bytes, tuple[int, int]]:
         ordinal = self._ordinal.get(device)
         if ordinal is None:
             raise self.unknown_device(device)

@@ -17,13 +17,19 @@ class Source:
         self.memory: dict[int, bytearray] = {}
         self.pending: dict[int, list[tuple[int, int]]] = {}
         self.freed: list[int] = []
+        self.failed: set[int] = set()  # chunks whose memory the backend could not have after all
         self.syncs = 0
         self._next = 0
 
-    def allocate_chunk(self, nbytes, device, flags):
+    def allocate_chunk(self, nbytes, device, flags, uid=None):
         self._next += 1
         self.memory[self._next] = bytearray(nbytes)
         return b"chunk%d" % self._next, self._next
+
+    def ready(self, token):
+        if token in self.failed:
+            raise RuntimeError(f"chunk {token} could not be reserved")
+        return True
 
     def zero(self, token, offset, nbytes):
         self.pending.setdefault(token, []).append((offset, nbytes))
@@ -253,3 +259,14 @@ def test_a_forsaken_chunk_takes_no_new_buffer_and_goes_back_with_its_last_one_un
     arenas.release(empty, 0.0)
     arenas.forsake(empty.chunk)  # every set in it hears the failure: forsaken more than once
     assert source.freed == [a.chunk.token, empty.chunk.token]
+
+
+def test_a_chunk_that_failed_unasked_is_forsaken_when_the_next_buffer_would_go_in_it(arenas, source):
+    """Every set in it failed for another reason (a timeout) before any asked whether it was ready:
+    the next buffer goes to a new chunk, not into memory that is not there."""
+    a = arenas.place(4096, "gpu0", 0, 1000)
+    source.failed.add(a.chunk.token)
+    b = arenas.place(4096, "gpu0", 0, 1000)
+    assert b.chunk is not a.chunk and a.chunk.forsaken
+    arenas.release(a, 0.0)
+    assert source.freed == [a.chunk.token]

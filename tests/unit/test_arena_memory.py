@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from peerd.backends import AllocationFailed, ChunkMemory, host
+from peerd.backends import AllocationFailed, ChunkMemory, host, hostreserve
 from peerd.backends.arenas import ArenaMemory, ArenaSettings
 from peerd.sizes import human
 
@@ -22,7 +22,7 @@ class Chunks(ChunkMemory):
     def devices(self):
         return [{"uuid": "gpu0"}, {"uuid": "gpu1"}]
 
-    def allocate_chunk(self, nbytes, device, flags):
+    def allocate_chunk(self, nbytes, device, flags, uid=None):
         token = len(self.live) + len(self.zeroed) + 100
         self.live.add(token)
         return b"handle%d" % token, token
@@ -68,28 +68,51 @@ def test_the_sweeper_gives_an_idle_chunk_back_by_itself():
     memory.close()
 
 
+class HeldKernel:
+    """posix_fallocate as the reservation threads see it: each call waits for a permit (``allow``), then
+    is recorded."""
+
+    def __init__(self, monkeypatch, fail_fd_size: int | None = None):
+        self.calls: list[tuple[int, int, int]] = []  # (chunk size, offset, bytes)
+        self._permits = threading.Semaphore(0)
+        self.fail_fd_size = fail_fd_size
+        real = os.posix_fallocate
+
+        def fallocate(fd, offset, nbytes):
+            assert self._permits.acquire(timeout=10), "no permit came"
+            size = os.fstat(fd).st_size
+            self.calls.append((size, offset, nbytes))
+            if size == self.fail_fd_size:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(fd, offset, nbytes)
+
+        monkeypatch.setattr(hostreserve.os, "posix_fallocate", fallocate)
+
+    def allow(self, calls: int = 1000) -> None:
+        for _ in range(calls):
+            self._permits.release()
+
+
+def wait_for(what, seconds: float = 10) -> None:
+    until = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < until, "timed out"
+        time.sleep(0.005)
+
+
 def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_why(monkeypatch):
-    """posix_fallocate of a big chunk takes seconds: the host backend runs it on a thread, wakes
-    ``ready_fd`` once it ended, and ``ready`` then says yes, or raises the reason."""
+    """posix_fallocate of a big chunk takes seconds: the host backend runs it on its threads, wakes
+    ``ready_fd`` once each chunk is done, and ``ready`` then says yes, or raises the reason."""
+    kernel = HeldKernel(monkeypatch, fail_fd_size=3 << 20)
     memory = host.Memory()
-    go = threading.Event()
-    real = os.posix_fallocate
-
-    def held(fd, offset, nbytes):  # the kernel's work, made to wait for the test
-        go.wait(10)
-        if nbytes == 3 << 20:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(fd, offset, nbytes)
-
-    monkeypatch.setattr(host.os, "posix_fallocate", held)
     try:
         _, fine = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
         _, short = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
         assert not memory.ready(fine) and not memory.ready(short), "allocate_chunk returned before the reservation"
         assert not select.select([memory.ready_fd], [], [], 0)[0], "nothing to wake the loop for yet"
-        go.set()
-        woken, wait_for = b"", time.monotonic() + 10
-        while len(woken) < 2 and select.select([memory.ready_fd], [], [], wait_for - time.monotonic())[0]:
+        kernel.allow()
+        woken, until = b"", time.monotonic() + 10
+        while len(woken) < 2 and select.select([memory.ready_fd], [], [], until - time.monotonic())[0]:
             woken += os.read(memory.ready_fd, 4096)
         assert woken == b"\0\0", "the loop is woken once per chunk, after its reservation ended"
         assert memory.ready(fine) and os.fstat(fine.fd).st_blocks * 512 >= 2 << 20, "its pages are really there"
@@ -98,28 +121,57 @@ def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_w
         for token in (fine, short):
             memory.free_chunk(token)
     finally:
+        kernel.allow()
+        memory.close()
+
+
+def test_uids_take_turns_and_a_chunk_freed_while_reserved_stops_at_its_next_step(monkeypatch):
+    """One uid's huge chunk does not hold up another's small one (a step each, in turn), and a chunk
+    freed while still being reserved takes no further step: nothing reserved that nobody is charged for."""
+    monkeypatch.setattr(hostreserve, "THREADS", 1)
+    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
+    kernel = HeldKernel(monkeypatch)
+    memory = host.Memory()
+    try:
+        _, huge = memory.allocate_chunk(8 << 20, host.DEVICE, 0, uid=1000)
+        _, small = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
+        _, freed = memory.allocate_chunk(6 << 20, host.DEVICE, 0, uid=1000)
+        assert memory._reserver.pending == 15 << 20
+        kernel.allow(2)
+        wait_for(lambda: memory.ready(small))
+        assert [size for size, _, _ in kernel.calls] == [8 << 20, 1 << 20], "the small one's turn came second"
+        kernel.allow(2)
+        wait_for(lambda: len(kernel.calls) == 4)
+        assert [size for size, _, _ in kernel.calls[2:]] == [6 << 20, 8 << 20], "uid 1000's chunks in turn"
+        memory.free_chunk(freed)
+        kernel.allow()
+        wait_for(lambda: memory.ready(huge))
+        assert sum(1 for size, _, _ in kernel.calls if size == 6 << 20) <= 2, "it stopped at its next step"
+        assert [offset for size, offset, _ in kernel.calls if size == 8 << 20] == [n << 20 for n in range(8)]
+        assert memory._reserver.pending == 0
+        for token in (huge, small):
+            memory.free_chunk(token)
+    finally:
+        kernel.allow()
         memory.close()
 
 
 def test_a_host_chunk_that_would_leave_the_machine_short_is_refused_with_the_numbers(monkeypatch):
     """Reservations under way count as taken: two that fit one at a time do not both fit."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    headroom = int(total * host.HEADROOM_SHARE)
-    monkeypatch.setattr(host, "_mem_available", lambda: headroom + (6 << 20))
-    go = threading.Event()
-    monkeypatch.setattr(host, "_reserve", lambda fd, nbytes: go.wait(10) and os.close(fd))
+    limit = 16 << 30
+    headroom = int(limit * host.HEADROOM_SHARE)
+    monkeypatch.setattr(host, "_memory_room", lambda: (limit, headroom + (6 << 20)))
+    kernel = HeldKernel(monkeypatch)
     memory = host.Memory()
     try:
         _, first = memory.allocate_chunk(4 << 20, host.DEVICE, 0)
         with pytest.raises(AllocationFailed) as refused:
             memory.allocate_chunk(4 << 20, host.DEVICE, 0)
-        assert str(refused.value).startswith(f"cannot reserve 4194304 bytes (4.0 MiB) of shared memory: the machine has "
-                                             f"{human(headroom + (2 << 20))} available"), refused.value
-        go.set()
-        wait_for = time.monotonic() + 10
-        while not memory.ready(first) and time.monotonic() < wait_for:
-            time.sleep(0.01)
+        assert str(refused.value).startswith(f"cannot reserve 4194304 bytes (4.0 MiB) of shared memory: "
+                                             f"{human(headroom + (2 << 20))} are available"), refused.value
+        kernel.allow()
+        wait_for(lambda: memory.ready(first))
         memory.free_chunk(first)
     finally:
-        go.set()
+        kernel.allow()
         memory.close()
