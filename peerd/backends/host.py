@@ -17,8 +17,9 @@ A reservation past the memory available does not fail cleanly: the kernel
 reclaims, swaps, and calls the OOM killer on some process (under a memory
 limit, the daemon's own cgroup's: the daemon itself). So a chunk is refused
 up front when it would leave less than ``HEADROOM_SHARE`` of that memory
-available (MemAvailable, and what the daemon's cgroup still allows, less
-the reservations still running), with the numbers.
+available (MemAvailable, and what the tightest limit on the daemon's cgroup
+or its parents still allows, less the reservations still running), with
+the numbers.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class Memory(ChunkMemory):
         if nbytes > available - headroom:
             raise AllocationFailed(
                 f"cannot reserve {nbytes} bytes ({human(nbytes)}) of shared memory: {human(max(available, 0))} are "
-                f"available (MemAvailable or the daemon's cgroup's memory.max, less reservations under way), and "
+                f"available (MemAvailable, or the daemon's cgroup memory limit, less reservations under way), and "
                 f"the daemon leaves {human(headroom)} of {human(limit)} to everything else; release buffers or ask "
                 "for less"
             )
@@ -133,22 +134,45 @@ def _memory_room() -> tuple[int, int]:
     if available is None:
         raise AllocationFailed("/proc/meminfo has no MemAvailable: this kernel is too old for the host backend")
     cgroup = _cgroup_memory()
-    if cgroup is not None and cgroup[0] < limit:
-        limit, available = cgroup[0], min(available, cgroup[0] - cgroup[1])
+    if cgroup is not None:
+        limit, available = min(limit, cgroup[0]), min(available, cgroup[0] - cgroup[1])
     return limit, available
 
 
-def _cgroup_memory() -> tuple[int, int] | None:
-    """(memory.max, memory.current) of this process's cgroup (v2), or None where it has no limit or none is read."""
+def _cgroup_memory(membership: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(limit, used) of the tightest memory limit on this process's cgroup and its parents (v2:
+    memory.max and memory.current; v1: memory.limit_in_bytes and memory.usage_in_bytes), or None
+    where none is set or none can be read."""
     try:
-        with open("/proc/self/cgroup") as groups:
-            path = next(line.split("::", 1)[1].strip() for line in groups if line.startswith("0::"))
-        base = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
-        with open(os.path.join(base, "memory.max")) as limit, open(os.path.join(base, "memory.current")) as current:
-            most, used = limit.read().strip(), int(current.read())
-    except (OSError, StopIteration, ValueError):
+        with open(membership) as groups:
+            lines = [line.rstrip("\n").split(":", 2) for line in groups]
+    except OSError:
         return None
-    return None if most == "max" else (int(most), used)
+    found = []
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":  # v2: the limit may sit on any ancestor (a slice, a pod)
+            base, files = root, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            limit = _read_limit(os.path.join(base, *parts[:depth]), files)
+            if limit is not None:
+                found.append(limit)
+    return min(found, key=lambda f: f[0] - f[1], default=None)
+
+
+def _read_limit(directory: str, files: tuple[str, str]) -> tuple[int, int] | None:
+    try:
+        with open(os.path.join(directory, files[0])) as limit, open(os.path.join(directory, files[1])) as used:
+            most, current = limit.read().strip(), int(used.read())
+    except (OSError, ValueError):
+        return None
+    if most == "max" or not most.isdigit() or int(most) >= 1 << 62:  # v1 writes "no limit" as a huge number
+        return None
+    return int(most), current
 
 
 # ---------------------------------------------------------------- the worker's half

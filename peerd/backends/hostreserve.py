@@ -72,6 +72,7 @@ class Reserver:
     def reserve(self, fd: int, nbytes: int, uid: int | None) -> Reservation:
         reservation = Reservation(fd, nbytes, uid)
         with self._lock:
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < THREADS:
                 self._threads.append(threading.Thread(target=self._work, name=f"peerd-host-memory-{len(self._threads)}",
                                                       daemon=True))
@@ -84,7 +85,12 @@ class Reserver:
     def free(self, reservation: Reservation) -> None:
         """The chunk is freed: stop reserving it and close its fd, on a thread (the last close frees the pages)."""
         with self._lock:
+            if reservation.freed:
+                return  # its fd is closed already, or will be: never twice
             reservation.freed = True
+            if self._stopping:  # no thread is left to do it
+                os.close(reservation.fd)
+                return
             if reservation.stepping:
                 return  # the step's thread closes it
             if not reservation.finished:
@@ -118,13 +124,14 @@ class Reserver:
                     reservation = self._next()
                     reservation.stepping = True
             if reservation is None:
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
                 continue
             step = min(STEP_BYTES, reservation.nbytes - reservation.reserved)
             error = None
             try:
                 os.posix_fallocate(reservation.fd, reservation.reserved, step)
-            except OSError as err:
+            except Exception as err:  # whatever it is, the chunk must finish, and this thread live on
                 error = AllocationFailed(f"cannot reserve {reservation.nbytes} bytes of shared memory: {err}")
             self._stepped(reservation, step, error)
 
@@ -140,9 +147,10 @@ class Reserver:
     def _stepped(self, reservation: Reservation, step: int, error: AllocationFailed | None) -> None:
         with self._lock:
             reservation.stepping = False
-            reservation.reserved += step
-            self._pending -= step
-            reservation.error = error
+            if error is None:
+                reservation.reserved += step
+                self._pending -= step
+            reservation.error = error  # before any wake-up: a failed chunk never reads as reserved
             if reservation.freed:
                 self._finish(reservation)
                 self._closes.append(reservation.fd)

@@ -175,3 +175,52 @@ def test_a_host_chunk_that_would_leave_the_machine_short_is_refused_with_the_num
     finally:
         kernel.allow()
         memory.close()
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1"])
+def test_the_tightest_memory_limit_of_the_daemons_cgroup_or_its_parents_bounds_the_room(tmp_path, layout):
+    """A limit on a parent (a slice's MemoryMax=, a pod's) binds the daemon as much as its own."""
+    membership = tmp_path / "cgroup"
+    if layout == "v2":
+        membership.write_text("0::/system.slice/peerd.service\n")
+        files, base = ("memory.max", "memory.current"), tmp_path
+    else:
+        membership.write_text("9:memory:/system.slice/peerd.service\n8:pids:/system.slice/peerd.service\n")
+        files, base = ("memory.limit_in_bytes", "memory.usage_in_bytes"), tmp_path / "memory"
+    unlimited = "max" if layout == "v2" else str(1 << 63)
+    for path, limit, used in (("", unlimited, 50 << 30), ("system.slice", str(8 << 30), 5 << 30),
+                              ("system.slice/peerd.service", unlimited, 1 << 30)):
+        (base / path).mkdir(parents=True, exist_ok=True)
+        (base / path / files[0]).write_text(limit + "\n")
+        (base / path / files[1]).write_text(f"{used}\n")
+    assert host._cgroup_memory(str(membership), str(tmp_path)) == (8 << 30, 5 << 30)
+    membership.write_text("0::/\n" if layout == "v2" else "9:memory:/\n")
+    assert host._cgroup_memory(str(membership), str(tmp_path)) is None, "no limit anywhere"
+
+
+def test_a_step_that_raises_anything_fails_its_chunk_and_the_threads_serve_on(monkeypatch):
+    """Not only OSError: whatever a step raises, its chunk finishes (failed, with the reason), the
+    bytes it promised stop counting, and the next chunk is still reserved; a second free closes nothing."""
+    monkeypatch.setattr(hostreserve, "THREADS", 1)
+    real, raised = os.posix_fallocate, []
+
+    def flaky(fd, offset, nbytes):
+        if not raised:
+            raised.append(True)
+            raise MemoryError("out of memory in the worker")
+        real(fd, offset, nbytes)
+
+    monkeypatch.setattr(hostreserve.os, "posix_fallocate", flaky)
+    memory = host.Memory()
+    try:
+        _, broken = memory.allocate_chunk(1 << 20, host.DEVICE, 0)
+        _, fine = memory.allocate_chunk(1 << 20, host.DEVICE, 0)
+        wait_for(lambda: broken.finished and fine.finished)
+        with pytest.raises(AllocationFailed, match="out of memory in the worker"):
+            memory.ready(broken)
+        assert memory.ready(fine) and memory._reserver.pending == 0
+        memory.free_chunk(broken)
+        memory.free_chunk(broken)  # twice: the arena never does, but its fd must not be closed twice
+    finally:
+        memory.free_chunk(fine)
+        memory.close()
