@@ -9,8 +9,8 @@ reserved went on filling memory nobody was charged for.
 
 So a reservation runs in steps of ``STEP_BYTES`` on ``THREADS`` threads:
 after each step a chunk goes to the back of its uid's queue and the uids
-take turns, so another user's small chunk waits for a few steps at most,
-however much one user asked for. A chunk freed meanwhile stops at its next
+take turns, so another user's small chunk waits for one step of each other
+uid at most, however much one user asked for. A chunk freed meanwhile stops at its next
 step; closes go before any step (a close is what gives memory back).
 ``pending`` counts the bytes still to reserve, which MemAvailable does not
 show yet. The daemon's loop is woken through ``wake_fd`` each time a chunk
@@ -88,11 +88,11 @@ class Reserver:
             if reservation.freed:
                 return  # its fd is closed already, or will be: never twice
             reservation.freed = True
+            if reservation.stepping:
+                return  # the step's thread closes it (after its step, stopping or not)
             if self._stopping:  # no thread is left to do it
                 os.close(reservation.fd)
                 return
-            if reservation.stepping:
-                return  # the step's thread closes it
             if not reservation.finished:
                 self._turns[reservation.uid].remove(reservation)
                 if not self._turns[reservation.uid]:
