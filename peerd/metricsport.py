@@ -4,8 +4,11 @@ The port answers every local user, so what one can do to it is bounded here
 (prometheus_client's own server gives each connection a thread and an fd,
 with no cap and no timeout: 4083 idle connections once took the daemon past
 its fd limit). One daemonic thread accepts; at most ``MAX_CONNECTIONS``
-connections are served at once, each on a daemonic thread of its own, and
-one past the cap is reset as soon as it is accepted; each socket operation
+connections are served at once, and at most ``MAX_CONNECTIONS_PER_UID`` of
+one uid (the kernel's word for the connecting socket's owner, asked through
+sock_diag), each on a daemonic thread of its own, and one past either cap
+is reset as soon as it is accepted: a user holding connections open keeps
+only its own share, and the scraper still gets in; each socket operation
 times out after ``IDLE_TIMEOUT_S`` and each connection is shut down
 ``DEADLINE_S`` after it was accepted, whatever it sends (a slow trickle
 included); the listen backlog is ``BACKLOG``. So the port never holds more
@@ -29,7 +32,9 @@ from typing import Any
 log = logging.getLogger("peerd.metrics")
 
 #: connections served at once; one past these is reset as soon as it is accepted
-MAX_CONNECTIONS = 4
+MAX_CONNECTIONS = 8
+#: connections of one uid served at once (those whose uid the kernel cannot tell share one such share)
+MAX_CONNECTIONS_PER_UID = 3
 #: seconds any one read or write on a connection may wait
 IDLE_TIMEOUT_S = 3.0
 #: seconds a connection may last in all, whatever it sends
@@ -55,6 +60,7 @@ class MetricsServer(http.server.HTTPServer):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}  # connections being served -> when they are cut
+        self._by_uid: dict[int | None, int] = {}  # connections being served, by their owner's uid
         self.refused = 0
         self._warned_at = float("-inf")
         super().__init__(("127.0.0.1", port), type("_Timed", (handler,), {"timeout": IDLE_TIMEOUT_S}))
@@ -73,37 +79,51 @@ class MetricsServer(http.server.HTTPServer):
         self.server_name, self.server_port = self.server_address[:2]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """On the accepting thread: a thread for the connection if a slot is free, else a reset at once."""
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            now = time.monotonic()
-            if now - self._warned_at >= WARN_EVERY_S:
-                self._warned_at = now
-                log.warning("metrics: %d connection(s) refused so far: %d already open (the most); "
-                            "a local user may be flooding the port", self.refused, MAX_CONNECTIONS)
-            _reset(request)
-            return
+        """On the accepting thread: a thread for the connection if its uid's share and a slot are free,
+        else a reset at once."""
+        uid = peer_uid(self.server_address, client_address)
         with self._lock:
-            self._deadlines[request] = time.monotonic() + DEADLINE_S
+            mine = self._by_uid.get(uid, 0)
+            taken = mine < MAX_CONNECTIONS_PER_UID and self._slots.acquire(blocking=False)
+            if taken:
+                self._by_uid[uid] = mine + 1
+                self._deadlines[request] = time.monotonic() + DEADLINE_S
+        if not taken:
+            self._refuse(request, uid)
+            return
         try:
-            threading.Thread(target=self._serve, args=(request, client_address), name="peerd-metrics-conn",
+            threading.Thread(target=self._serve, args=(request, client_address, uid), name="peerd-metrics-conn",
                              daemon=True).start()
         except BaseException:  # the caller closes the connection
-            with self._lock:
-                self._deadlines.pop(request, None)
-            self._slots.release()
+            self._forget(request, uid)
             raise
 
-    def _serve(self, request: Any, client_address: Any) -> None:
+    def _refuse(self, request: Any, uid: int | None) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("metrics: %d connection(s) refused so far (the last of uid %s): at most %d are served "
+                        "at once, %d per uid; a local user may be flooding the port", self.refused, uid,
+                        MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID)
+        _reset(request)
+
+    def _serve(self, request: Any, client_address: Any, uid: int | None) -> None:
         try:
             self.finish_request(request, client_address)
         except Exception:
             self.handle_error(request, client_address)
         finally:
-            with self._lock:  # before the close: cut() never touches a closed (maybe reused) fd
-                self._deadlines.pop(request, None)
+            self._forget(request, uid)  # before the close: cut() never touches a closed (maybe reused) fd
             self.shutdown_request(request)
-            self._slots.release()
+
+    def _forget(self, request: Any, uid: int | None) -> None:
+        with self._lock:
+            self._deadlines.pop(request, None)
+            self._by_uid[uid] -= 1
+            if not self._by_uid[uid]:
+                del self._by_uid[uid]
+        self._slots.release()
 
     def service_actions(self) -> None:
         """On the accepting thread, every POLL_S at least: cut the connections past their deadline."""
@@ -121,6 +141,33 @@ class MetricsServer(http.server.HTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("metrics: connection from %s failed", client_address, exc_info=True)
+
+
+def peer_uid(server: tuple[str, int], client: tuple[str, int]) -> int | None:
+    """The uid owning the socket at ``client`` connected to ``server`` (both 127.0.0.1), as the kernel
+    reports it (sock_diag, what ``ss -e`` shows); None where it cannot say (the socket is gone already)."""
+    try:
+        sockid = (struct.pack("!HH", client[1], server[1]) + socket.inet_aton(client[0]) + bytes(12)
+                  + socket.inet_aton(server[0]) + bytes(12) + struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF))
+        request = struct.pack("=BBBBI", socket.AF_INET, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+        header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_SOCK_DIAG) as diag:
+            diag.settimeout(1.0)
+            diag.send(header + request)
+            reply = diag.recv(4096)
+    except OSError:
+        return None
+    if len(reply) < _DIAG_UID_AT + 4 or struct.unpack_from("=H", reply, 4)[0] != _SOCK_DIAG_BY_FAMILY:
+        return None  # NLMSG_ERROR: no such socket
+    if reply[16 + 1] == _TCP_TIME_WAIT:  # closed already: the kernel reports such a socket as root's
+        return None
+    return struct.unpack_from("=I", reply, _DIAG_UID_AT)[0]
+
+
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST = 4, 20, 1
+_TCP_TIME_WAIT = 6
+#: where inet_diag_msg's idiag_uid sits in a reply: the netlink header, 4 bytes, the 48-byte sockid, 3 words
+_DIAG_UID_AT = 16 + 4 + 48 + 12
 
 
 def _cut(conn: socket.socket) -> None:
