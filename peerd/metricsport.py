@@ -12,7 +12,8 @@ only its own share, and the scraper still gets in; each socket operation
 times out after ``IDLE_TIMEOUT_S`` and each connection is shut down
 ``DEADLINE_S`` after it was accepted, whatever it sends (a slow trickle
 included); the listen backlog is ``BACKLOG``. So the port never holds more
-than ``MAX_CONNECTIONS + 1`` of the daemon's fds (the listening socket aside)
+than ``MAX_CONNECTIONS + 2`` of the daemon's fds (the listening socket aside;
+the two: a connection being accepted and its sock_diag query)
 nor more than ``MAX_CONNECTIONS`` threads besides the accepting one. Anyone
 who can open a TCP connection to 127.0.0.1 can read the metrics, per-uid
 labels included (docs/configuration.md says how to restrict that).
