@@ -47,6 +47,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -190,14 +191,21 @@ class Arenas:
         chunk = self._new_chunk(max(size, self.chunk_bytes), device, flags, uid, dedicated=size > self.chunk_bytes)
         return self._hand_out(chunk, chunk.take(size), size)
 
+    def ready(self, chunk: Chunk) -> bool:
+        """Whether the chunk's memory may be handed out yet; where the backend could not have it after
+        all, the chunk is forsaken and its error raised."""
+        try:
+            return self._source.ready(chunk.token)
+        except Exception:
+            self.forsake(chunk)
+            raise
+
     def _usable(self, chunk: Chunk) -> bool:
         """Not forsaken, and not failed since: a chunk whose memory could not be had takes nothing more,
         even where every set that knew of it failed before asking."""
         if not chunk.forsaken:
-            try:
-                self._source.ready(chunk.token)
-            except Exception:
-                self.forsake(chunk)
+            with contextlib.suppress(Exception):  # forsaken by ready
+                self.ready(chunk)
         return not chunk.forsaken
 
     def _hand_out(self, chunk: Chunk, offset: int, size: int) -> Placement:

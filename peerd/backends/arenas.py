@@ -70,13 +70,8 @@ class ArenaMemory(MemoryBackend):
         return self.chunks.ready_fd
 
     def ready(self, allocation: Allocation) -> bool:
-        chunk = allocation.token.chunk
-        try:
-            return self.chunks.ready(chunk.token)
-        except Exception:
-            with self._lock:
-                self.arenas.forsake(chunk)
-            raise
+        with self._lock:
+            return self.arenas.ready(allocation.token.chunk)
 
     def free(self, allocation: Allocation) -> None:
         placement: Placement = allocation.token

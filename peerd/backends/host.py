@@ -170,7 +170,7 @@ def _read_limit(directory: str, files: tuple[str, str]) -> tuple[int, int] | Non
             most, current = limit.read().strip(), int(used.read())
     except (OSError, ValueError):
         return None
-    if most == "max" or not most.isdigit() or int(most) >= 1 << 62:  # v1 writes "no limit" as a huge number
+    if not most.isdigit() or int(most) >= 1 << 62:  # v2 writes "no limit" as "max", v1 as a huge number
         return None
     return int(most), current
 

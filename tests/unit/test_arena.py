@@ -270,3 +270,8 @@ def test_a_chunk_that_failed_unasked_is_forsaken_when_the_next_buffer_would_go_i
     assert b.chunk is not a.chunk and a.chunk.forsaken
     arenas.release(a, 0.0)
     assert source.freed == [a.chunk.token]
+    assert arenas.ready(b.chunk)
+    source.failed.add(b.chunk.token)
+    with pytest.raises(RuntimeError, match="could not be reserved"):
+        arenas.ready(b.chunk)  # a set asking: it hears the error, and the chunk takes nothing more
+    assert b.chunk.forsaken and arenas.place(4096, "gpu0", 0, 1000).chunk is not b.chunk
