@@ -43,6 +43,11 @@ Rules:
   ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
 - **Cap**: the bytes of chunks one uid may reserve, over all devices;
   ``OverCap`` names the numbers.
+- **Fds**: where the daemon keeps an fd per chunk (the host backend's
+  memfds: ``keeps_fd``), each chunk takes a place in the daemon's fd room
+  (peerd.fdroom) first, at most ``CHUNKS_FD_SHARE`` of it: a user making
+  many chunks cannot spend the fds the connections need (libzmq aborts the
+  daemon on an accept that meets EMFILE), nor the pidfds' last quarter.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .fdroom import FdRoom
 from .sizes import human
 
 # Note [No free under a mapping]
@@ -70,6 +76,9 @@ from .sizes import human
 ALIGNMENT = 4096
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_IDLE_S = 30.0
+#: the share of the daemon's fd room chunks may fill (with whatever else is in it): the rest stays for the
+#: pidfds, as a process the daemon cannot watch cannot join
+CHUNKS_FD_SHARE = 0.75
 
 
 def align(nbytes: int) -> int:
@@ -77,7 +86,8 @@ def align(nbytes: int) -> int:
 
 
 class OverCap(Exception):
-    """A new chunk would take a uid past its cap (the daemon answers LIMIT_EXCEEDED)."""
+    """A new chunk would take a uid past its cap, or the daemon past its fd room (the daemon answers
+    LIMIT_EXCEEDED)."""
 
 
 class ChunkSource(Protocol):
@@ -101,6 +111,8 @@ class ChunkSource(Protocol):
 
     #: freeing a chunk another process still maps is undefined: see Note [No free under a mapping]
     free_needs_unmapped: bool
+    #: the daemon holds an fd for each chunk until it frees it (a memfd), which takes a place in its fd room
+    keeps_fd: bool
 
 
 @dataclass
@@ -162,13 +174,14 @@ class Arenas:
     """Every chunk of every (uid, device), and the rules above."""
 
     def __init__(self, source: ChunkSource, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 cap_per_uid: int | None = None, idle_s: float = DEFAULT_IDLE_S):
+                 cap_per_uid: int | None = None, idle_s: float = DEFAULT_IDLE_S, fd_room: FdRoom | None = None):
         if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
             raise ValueError(f"the chunk size must be a positive multiple of {ALIGNMENT} bytes, not {chunk_bytes}")
         self._source = source
         self.chunk_bytes = chunk_bytes
         self.cap_per_uid = cap_per_uid
         self.idle_s = idle_s
+        self.fd_room = fd_room or FdRoom()  # the daemon's, once it serves: peerd.fdroom
         self.chunks: dict[int, Chunk] = {}
         self._ids = itertools.count(1)
 
@@ -227,7 +240,14 @@ class Arenas:
                 f"({human(size)}) on {device} would pass its cap of {self.cap_per_uid} bytes "
                 f"({human(self.cap_per_uid)}) (--arena-max-bytes-per-uid); release buffers it no longer uses"
             )
-        handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
+        if self._source.keeps_fd and not self.fd_room.take(within=CHUNKS_FD_SHARE):
+            raise OverCap(f"no new chunk of {human(size)} on {device} for uid {uid}: {self.fd_room.describe()}")
+        try:
+            handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
+        except BaseException:
+            if self._source.keeps_fd:
+                self.fd_room.give()
+            raise
         chunk = Chunk(next(self._ids), uid, device, flags, size, handle, token, dedicated, free=[[0, size]])
         self.chunks[chunk.id] = chunk
         return chunk
@@ -293,7 +313,11 @@ class Arenas:
         del self.chunks[chunk.id]
         if chunk.zeroing:
             self._source.sync(chunk.token)  # no zeroing may run into memory the driver gave to someone else
-        self._source.free_chunk(chunk.token)
+        try:
+            self._source.free_chunk(chunk.token)
+        finally:
+            if self._source.keeps_fd:
+                self.fd_room.give()
 
     def usage(self) -> list[dict[str, Any]]:
         """Reserved vs handed-out bytes by (device, uid): what status and the metrics show."""

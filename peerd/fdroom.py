@@ -2,13 +2,17 @@
 
 libzmq aborts the whole daemon when its accept() meets EMFILE (peerd.connections), so
 the fds the connection caps count on must stay free. Every other fd the daemon keeps
-for a while, a pidfd per watched process (peerd.liveness) and a memfd per control page
-area (peerd.pages), takes a place in this room first, and is refused, never opened,
-once the room is full: a user who makes the daemon watch processes or open areas
-cannot spend the fds its connections need. ``room_within`` sizes it from the fd limit.
+for a while, a pidfd per watched process (peerd.liveness), a memfd per control page
+area (peerd.pages) and per host memory chunk (peerd.arena), takes a place in this room
+first, and is refused, never opened, once the room is full: a user who makes the daemon
+watch processes, open areas or make chunks cannot spend the fds its connections need.
+``room_within`` sizes it from the fd limit. Chunks are also given back by the arena's
+sweeper thread, so places are taken and given under a lock.
 """
 
 from __future__ import annotations
+
+import threading
 
 from .connections import FDS_RESERVED, MONITOR_LAG
 
@@ -30,6 +34,7 @@ class FdRoom:
     def __init__(self, size: int | None = None) -> None:
         self.size = size
         self.used = 0
+        self._lock = threading.Lock()
 
     @property
     def full(self) -> bool:
@@ -37,15 +42,17 @@ class FdRoom:
 
     def take(self, within: float = 1.0) -> bool:
         """One place, if the room is less than ``within`` (a share of it) full."""
-        if self.size is not None and self.used >= self.size * within:
-            return False
-        self.used += 1
-        return True
+        with self._lock:
+            if self.size is not None and self.used >= self.size * within:
+                return False
+            self.used += 1
+            return True
 
     def give(self) -> None:
-        self.used -= 1
+        with self._lock:
+            self.used -= 1
 
     def describe(self) -> str:
-        return (f"the daemon holds {self.used} pidfds and control page areas, every file descriptor its limit leaves "
-                "beside its connections: raise its hard fd limit (LimitNOFILE= in the unit) or lower "
-                "--max-connections")
+        return (f"the daemon holds {self.used} pidfds, control page areas and host memory chunks, of the "
+                f"{self.size} file descriptors its limit leaves beside its connections: raise its hard fd limit "
+                "(LimitNOFILE= in the unit) or lower --max-connections")

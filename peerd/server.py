@@ -97,6 +97,7 @@ class Daemon:
         self.backend = backend
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
+        backend.share_fd_room(self._fd_room)
         self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-group areas
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,

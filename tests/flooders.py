@@ -13,6 +13,8 @@ way), then keeps it up until it is killed:
            length allowed (protocol.MAX_KEY_CHARS), through one pipelined connection
   groups   holds --count one-rank buffer sets, each of a group of its own (a control page
            area each), through one pipelined connection; READY says how many got a page
+  chunks   holds one-rank 4 KiB sets of one group, one after another, until the daemon
+           refuses one or --count are held; READY says how many it holds and the refusal
 """
 
 from __future__ import annotations
@@ -151,6 +153,21 @@ def groups(args) -> None:
     hold()
 
 
+def chunks(args) -> None:
+    sock, ids, held, refusal = _dealer(args), iter(range(1, 2 * args.count + 1)), 0, None
+    for i in range(args.count):
+        sock.send(request(next(ids), "join", {**_slot(i), "npes": 1, "nbytes": 4096, "device": "host"}))
+        reply = msgpack.unpackb(sock.recv())
+        if not reply["ok"]:
+            refusal = reply["error"]
+            break
+        sock.send(request(next(ids), "commit", {**_slot(i), "ok": True}))
+        _expect_ok(sock, 1)
+        held += 1
+    ready(sets=held, refusal=refusal)
+    hold()
+
+
 def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
     bodies = []
     for _ in range(replies):
@@ -160,7 +177,8 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
     return bodies
 
 
-KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups}
+KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
+         "chunks": chunks}
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .allocation import Allocation
 
 if TYPE_CHECKING:
+    from ..fdroom import FdRoom
     from .arenas import ArenaSettings
 
 BACKENDS = ("host", "cuda", "hip")
@@ -106,6 +107,10 @@ class MemoryBackend(ABC):
         """Give every chunk no buffer uses back to the driver now (after an eviction)."""
 
     @abstractmethod
+    def share_fd_room(self, room: FdRoom) -> None:
+        """Count the fds the backend keeps open in the daemon's room (peerd.fdroom) from now on."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release what the backend holds, at shutdown."""
 
@@ -116,6 +121,8 @@ class ChunkMemory(ABC):
     name: str
     #: a driver free under another process's IPC mapping is undefined (peerd.arena: Note [No free under a mapping])
     free_needs_unmapped = True
+    #: the daemon keeps an fd open per chunk (a memfd), which takes a place in its fd room (peerd.fdroom)
+    keeps_fd = False
 
     @abstractmethod
     def devices(self) -> list[dict[str, Any]]:

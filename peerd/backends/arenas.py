@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, Placement
+from ..fdroom import FdRoom
 from ..sizes import human
 from . import Allocation, ChunkMemory, MemoryBackend
 
@@ -91,6 +92,10 @@ class ArenaMemory(MemoryBackend):
         with self._lock:
             self._log_freed(self.arenas.process_gone(pid, time.monotonic()), "empty, and its last mapper exited")
             self._wake.notify()
+
+    def share_fd_room(self, room: FdRoom) -> None:
+        with self._lock:
+            self.arenas.fd_room = room
 
     def trim(self) -> None:
         """Give every empty chunk back now (after an eviction)."""

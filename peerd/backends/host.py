@@ -54,6 +54,7 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 class Memory(ChunkMemory):
     name = "host"
     free_needs_unmapped = False  # a worker's mmap keeps a memfd's pages alive after the daemon closes it
+    keeps_fd = True  # each chunk's memfd, until it is freed
 
     def __init__(self) -> None:
         self._reserver = Reserver()

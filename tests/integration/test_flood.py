@@ -197,14 +197,41 @@ def test_control_page_areas_of_many_groups_never_take_the_fds_the_connections_ne
     room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
     assert room == {"size": 2048 - 128 - 1024 - 2 * 64, "used": 0}, room
     holder, held = flood(procs, d, "groups", users[FLOODER], 1500)
-    # an area a group: half the room, less the place the holder's own pidfd took first
-    assert held == {"sets": 1500, "with_page": room["size"] // 2 - 1}, held
+    # an area a group: half the room, less the places the holder's own pidfd and its one chunk took first
+    assert held == {"sets": 1500, "with_page": room["size"] // 2 - 2}, held
     status = assert_served(d, users, "beside-groups")
     assert status["fd_room"]["used"] >= room["size"] // 2, status["fd_room"]
     idle, opened = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
     assert_served(d, users, "beside-groups-and-idle")
-    assert "every file descriptor its limit leaves beside its connections" in d.logs()
+    assert "file descriptors its limit leaves beside its connections" in d.logs()
     end(d, idle, holder)
+
+
+def test_host_memory_chunks_never_take_the_fds_the_connections_need(procs, socket_dir, users):
+    """Under NOFILE 2048 with 4 KiB chunks, one user holding 2000 sets made the daemon keep a memfd per
+    chunk until the fds ran out, and the next connection's accept aborted the daemon. Chunks now take
+    places in the fd room, three quarters of it at most: past that a set is refused (LIMIT_EXCEEDED, naming
+    the limit), connections and status are still served, and once the holder is gone its places come back."""
+    d = start_daemon(procs, socket_dir, "--max-connections", "64", "--max-connections-per-uid", "32",
+                     "--max-groups-per-uid", "4000", "--arena-chunk-bytes", "4096", "--arena-idle-s", "0",
+                     nofile=2048)
+    room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
+    holder, held = flood(procs, d, "chunks", users[FLOODER], 2000)
+    assert held["refusal"] is not None and held["refusal"]["code"] == "LIMIT_EXCEEDED", held
+    assert "file descriptors its limit leaves beside its connections" in held["refusal"]["message"], held
+    assert held["sets"] >= room["size"] // 2, held
+    idle, _ = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
+    assert d.proc.poll() is None, d.logs()[-3000:]
+    status = status_as(d, users[BYSTANDER])
+    assert status.returncode in (0, 1), status.stderr
+    assert json.loads(status.stdout)["fd_room"]["used"] <= room["size"] * 3 // 4
+    for proc in (idle, holder):
+        proc.kill()
+        proc.wait(timeout=30)
+    wait_until(lambda: json.loads(d.cli("status", "--json").stdout)["fd_room"]["used"] < 8, 30,
+               "the holder's chunks to give their places back")
+    assert all(r["ok"] for r in run_ranks(d, "exchange", 2, "--group", "after", "--as-user", users[BYSTANDER]))
+    assert d.stop() == 0, d.logs()[-3000:]
 
 
 def test_a_flood_of_requests_does_not_starve_other_users(procs, socket_dir, users):

@@ -2,7 +2,8 @@
 
 import pytest
 
-from peerd.arena import ALIGNMENT, Arenas, OverCap, align, describe_usage
+from peerd.arena import ALIGNMENT, CHUNKS_FD_SHARE, Arenas, OverCap, align, describe_usage
+from peerd.fdroom import FdRoom
 
 CHUNK = 64 * ALIGNMENT
 
@@ -12,6 +13,7 @@ class Source:
     a process still maps would be undefined (Note [No free under a mapping])."""
 
     free_needs_unmapped = True
+    keeps_fd = False
 
     def __init__(self):
         self.memory: dict[int, bytearray] = {}
@@ -157,6 +159,24 @@ def test_the_cap_counts_reserved_chunks_per_uid(source):
         arenas.place(4096, "gpu1", 0, 1000)
     assert arenas.place(4096, "gpu0", 0, 1001).chunk.uid == 1001  # another uid has its own cap
     assert len(source.memory) == 2
+
+
+def test_chunks_that_keep_an_fd_take_at_most_their_share_of_the_daemons_fd_room(source):
+    """Host chunks are memfds the daemon holds: past CHUNKS_FD_SHARE of its fd room a new one is refused
+    (LIMIT_EXCEEDED) with the numbers, a buffer that fits a chunk it has still goes in, and a freed chunk
+    gives its place back."""
+    source.keeps_fd = True
+    room = FdRoom(8)
+    room.take()  # a pidfd, say
+    arenas = Arenas(source, CHUNK, idle_s=0, fd_room=room)
+    placed = [arenas.place(CHUNK, "host", 0, 1000 + i) for i in range(int(8 * CHUNKS_FD_SHARE) - 1)]
+    assert room.used == 8 * CHUNKS_FD_SHARE
+    with pytest.raises(OverCap, match=r"no new chunk of 256.0 KiB on host for uid 2000: the daemon holds 6 .* of the 8 "
+                                      r"file descriptors .*LimitNOFILE"):
+        arenas.place(4096, "host", 0, 2000)
+    assert len(source.memory) == len(placed), "refused before the backend was asked"
+    arenas.release(placed[0], now=0)
+    assert room.used == 5 and arenas.place(4096, "host", 0, 2000).chunk.uid == 2000
 
 
 def test_an_empty_chunk_goes_back_only_after_idle_s(arenas, source):

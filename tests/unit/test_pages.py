@@ -331,7 +331,7 @@ def test_areas_fill_at_most_their_share_of_the_fd_room_and_a_group_past_it_agree
     try:
         placed = [opened(reg, 1, pids=(100,), group=f"g{k}")[1] for k in range(3)]
         assert [p is not None for p in placed] == [True, True, False] and room.used == 2, "half the room"
-        assert "every file descriptor its limit leaves beside its connections" in caplog.text
+        assert "file descriptors its limit leaves beside its connections" in caplog.text
         reg.release(("r", 0), who(100), {"group": "g0", "name": "n", "rank": 0}, 0.0)
         pages.process_gone(100)
         assert room.used == 1, "a closed area gives its place back"
