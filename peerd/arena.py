@@ -107,7 +107,8 @@ class ChunkSource(Protocol):
         """Wait for every zeroing started on this chunk."""
 
     def free_chunk(self, token: Any) -> None:
-        """Give the chunk back to the driver."""
+        """Give the chunk back to the driver, after or instead of the zeroing started on it: none may run
+        into memory the driver gave to someone else."""
 
     #: freeing a chunk another process still maps is undefined: see Note [No free under a mapping]
     free_needs_unmapped: bool
@@ -311,8 +312,6 @@ class Arenas:
 
     def _drop(self, chunk: Chunk) -> None:
         del self.chunks[chunk.id]
-        if chunk.zeroing:
-            self._source.sync(chunk.token)  # no zeroing may run into memory the driver gave to someone else
         try:
             self._source.free_chunk(chunk.token)
         finally:

@@ -150,7 +150,7 @@ class ChunkMemory(ABC):
 
     @abstractmethod
     def free_chunk(self, token: Any) -> None:
-        """Give a chunk back to the driver."""
+        """Give a chunk back to the driver, after or instead of the zeroing started on it."""
 
     def chunk_fd(self, token: Any) -> int | None:
         """The fd a member receives for a chunk over the fd channel; None where the handle suffices."""

@@ -241,8 +241,8 @@ class Memory(ChunkMemory):
 
     def free_chunk(self, token: tuple[int, int]) -> None:
         ordinal, pointer = token
+        self.sync(token)  # no zeroing of the daemon's stream may run into memory the driver hands on
         cudart = self._rt
-        _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
         _check(cudart, cudart.cudaFree(pointer), f"cudaFree on device {ordinal}")
 
     def close(self) -> None:

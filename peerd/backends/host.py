@@ -9,8 +9,8 @@ kernel frees it once the daemon's fd and the members' mappings are gone: a
 daemon that crashed leaves nothing behind, and nothing is keyed on its pid.
 
 Reserving a chunk's pages (``posix_fallocate``: they are really there, so no
-member takes a SIGBUS on first touch) and freeing them run off the daemon's
-loop (peerd.backends.hostreserve); a chunk is ``ready`` once reserved, and
+member takes a SIGBUS on first touch), zeroing a freed range and freeing them
+run off the daemon's loop (peerd.backends.hostreserve); a chunk is ``ready`` once reserved, and
 the daemon opens a set only when every chunk it uses is (peerd.rendezvous).
 
 A reservation past the memory available does not fail cleanly: the kernel
@@ -41,14 +41,10 @@ MEMFD_NAME = "peerd"
 HANDLE_BYTES = 16
 #: a member that resized a peer's memfd would SIGBUS everyone mapping it
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-#: fallocate(2) mode that frees a range's pages, keeping the file's size (allowed on a memfd sealed as above)
-PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 #: the share of the memory the daemon may use that a new chunk must leave available to everything else
 HEADROOM_SHARE = 1 / 16
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 class Memory(ChunkMemory):
@@ -106,15 +102,11 @@ class Memory(ChunkMemory):
         return token.ready()
 
     def zero(self, token: Reservation, offset: int, nbytes: int) -> None:
-        """Punch the range's pages out (they read zero), then reserve them again: no SIGBUS on next touch.
-        On the loop: a range of a shared chunk, at most --arena-chunk-bytes (64 MiB, about 15 ms)."""
-        if _libc.fallocate(token.fd, PUNCH_HOLE, offset, nbytes) != 0:
-            err = ctypes.get_errno()
-            raise AllocationFailed(f"cannot zero {nbytes} bytes of shared memory: {os.strerror(err)}")
-        try:
-            os.posix_fallocate(token.fd, offset, nbytes)
-        except OSError as err:
-            raise AllocationFailed(f"cannot reserve {nbytes} bytes of shared memory again: {err}") from None
+        """Off the loop: the range's pages punched out (they read zero), then reserved again."""
+        self._reserver.zero(token, offset, nbytes)
+
+    def sync(self, token: Reservation) -> None:
+        self._reserver.sync(token)
 
     def chunk_fd(self, token: Reservation) -> int:
         return token.fd
@@ -178,6 +170,7 @@ def _read_limit(directory: str, files: tuple[str, str]) -> tuple[int, int] | Non
 
 # ---------------------------------------------------------------- the worker's half
 
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
