@@ -101,6 +101,18 @@ def wait_for(what, seconds: float = 10) -> None:
         time.sleep(0.005)
 
 
+@pytest.fixture
+def stepped(monkeypatch):
+    """(a HeldKernel, a host Memory) with one reservation thread and 1 MiB steps: the order is the kernel's calls."""
+    monkeypatch.setattr(hostreserve, "THREADS", 1)
+    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
+    kernel = HeldKernel(monkeypatch)
+    memory = host.Memory()
+    yield kernel, memory
+    kernel.allow()
+    memory.close()
+
+
 def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_why(monkeypatch):
     """posix_fallocate of a big chunk takes seconds: the host backend runs it on its threads, wakes
     ``ready_fd`` once each chunk is done, and ``ready`` then says yes, or raises the reason."""
@@ -126,105 +138,84 @@ def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_w
         memory.close()
 
 
-def test_uids_take_turns_and_a_chunk_freed_while_reserved_stops_at_its_next_step(monkeypatch):
+def test_uids_take_turns_and_a_chunk_freed_while_reserved_stops_at_its_next_step(stepped):
     """One uid's huge chunk does not hold up another's small one (a step each, in turn), and a chunk
     freed while still being reserved takes no further step: nothing reserved that nobody is charged for."""
-    monkeypatch.setattr(hostreserve, "THREADS", 1)
-    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
-    kernel = HeldKernel(monkeypatch)
-    memory = host.Memory()
-    try:
-        _, huge = memory.allocate_chunk(8 << 20, host.DEVICE, 0, uid=1000)
-        _, small = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
-        _, freed = memory.allocate_chunk(6 << 20, host.DEVICE, 0, uid=1000)
-        assert memory._reserver.pending == 15 << 20
-        kernel.allow(2)
-        wait_for(lambda: memory.ready(small))
-        assert [size for size, _, _ in kernel.calls] == [8 << 20, 1 << 20], "the small one's turn came second"
-        kernel.allow(2)
-        wait_for(lambda: len(kernel.calls) == 4)
-        assert [size for size, _, _ in kernel.calls[2:]] == [6 << 20, 8 << 20], "uid 1000's chunks in turn"
-        memory.free_chunk(freed)
-        kernel.allow()
-        wait_for(lambda: memory.ready(huge))
-        assert sum(1 for size, _, _ in kernel.calls if size == 6 << 20) <= 2, "it stopped at its next step"
-        assert [offset for size, offset, _ in kernel.calls if size == 8 << 20] == [n << 20 for n in range(8)]
-        assert memory._reserver.pending == 0
-        for token in (huge, small):
-            memory.free_chunk(token)
-    finally:
-        kernel.allow()
-        memory.close()
+    kernel, memory = stepped
+    _, huge = memory.allocate_chunk(8 << 20, host.DEVICE, 0, uid=1000)
+    _, small = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
+    _, freed = memory.allocate_chunk(6 << 20, host.DEVICE, 0, uid=1000)
+    assert memory._reserver.pending == 15 << 20
+    kernel.allow(2)
+    wait_for(lambda: memory.ready(small))
+    assert [size for size, _, _ in kernel.calls] == [8 << 20, 1 << 20], "the small one's turn came second"
+    kernel.allow(2)
+    wait_for(lambda: len(kernel.calls) == 4)
+    assert [size for size, _, _ in kernel.calls[2:]] == [6 << 20, 8 << 20], "uid 1000's chunks in turn"
+    memory.free_chunk(freed)
+    kernel.allow()
+    wait_for(lambda: memory.ready(huge))
+    assert sum(1 for size, _, _ in kernel.calls if size == 6 << 20) <= 2, "it stopped at its next step"
+    assert [offset for size, offset, _ in kernel.calls if size == 8 << 20] == [n << 20 for n in range(8)]
+    assert memory._reserver.pending == 0
+    for token in (huge, small):
+        memory.free_chunk(token)
 
 
-def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_sync_waits_for_it(monkeypatch):
+def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_sync_waits_for_it(stepped):
     """Punching a freed range's pages out and reserving them again costs as much as a reservation: it
     runs on the threads, a step at a time in its uid's turn; ``sync`` waits for it, and then the range
     reads zero, pages really there, and the rest of the chunk is untouched."""
-    monkeypatch.setattr(hostreserve, "THREADS", 1)
-    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
-    kernel = HeldKernel(monkeypatch)
-    memory = host.Memory()
-    try:
-        _, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
-        kernel.allow(4)
-        wait_for(lambda: memory.ready(chunk))
-        with mmap.mmap(chunk.fd, 4 << 20) as view:
-            view[:] = b"\xff" * (4 << 20)
-            memory.zero(chunk, 1 << 20, 2 << 20)
-            _, other = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
-            assert memory._reserver.pending == 3 << 20, "the range to reserve again counts as promised"
-            synced = threading.Thread(target=memory.sync, args=(chunk,))
-            synced.start()
-            synced.join(0.2)
-            assert synced.is_alive(), "sync waits for the zeroing"
-            kernel.allow(3)
-            synced.join(10)
-            assert not synced.is_alive()
-            assert [(size, offset) for size, offset, _ in kernel.calls[4:]] == [
-                (4 << 20, 1 << 20), (1 << 20, 0), (4 << 20, 2 << 20)], "a step each, the uids in turn"
-            assert view[1 << 20:3 << 20] == bytes(2 << 20)
-            assert view[:1 << 20] + view[3 << 20:] == b"\xff" * (2 << 20), "only the freed range was zeroed"
-        assert os.fstat(chunk.fd).st_blocks * 512 >= 4 << 20, "its pages are reserved again"
-        assert memory._reserver.pending == 0 and memory.ready(other) and memory.ready(chunk)
-        for token in (chunk, other):
-            memory.free_chunk(token)
-    finally:
-        kernel.allow()
-        memory.close()
+    kernel, memory = stepped
+    _, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
+    kernel.allow(4)
+    wait_for(lambda: memory.ready(chunk))
+    with mmap.mmap(chunk.fd, 4 << 20) as view:
+        view[:] = b"\xff" * (4 << 20)
+        memory.zero(chunk, 1 << 20, 2 << 20)
+        _, other = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
+        assert memory._reserver.pending == 3 << 20, "the range to reserve again counts as promised"
+        synced = threading.Thread(target=memory.sync, args=(chunk,))
+        synced.start()
+        synced.join(0.2)
+        assert synced.is_alive(), "sync waits for the zeroing"
+        kernel.allow(3)
+        synced.join(10)
+        assert not synced.is_alive()
+        assert [(size, offset) for size, offset, _ in kernel.calls[4:]] == [
+            (4 << 20, 1 << 20), (1 << 20, 0), (4 << 20, 2 << 20)], "a step each, the uids in turn"
+        assert view[1 << 20:3 << 20] == bytes(2 << 20)
+        assert view[:1 << 20] + view[3 << 20:] == b"\xff" * (2 << 20), "only the freed range was zeroed"
+    assert os.fstat(chunk.fd).st_blocks * 512 >= 4 << 20, "its pages are reserved again"
+    assert memory._reserver.pending == 0 and memory.ready(other) and memory.ready(chunk)
+    for token in (chunk, other):
+        memory.free_chunk(token)
 
 
-def test_a_range_that_cannot_be_reserved_again_fails_its_chunk_and_a_free_stops_the_zeroing(monkeypatch):
+def test_a_range_that_cannot_be_reserved_again_fails_its_chunk_and_a_free_stops_the_zeroing(stepped):
     """A range whose pages could not be had again fails its chunk (the arena forsakes it: nothing more goes
     in, no SIGBUS later); a chunk freed while zeroing stops at its next step; a sync returns either way."""
-    monkeypatch.setattr(hostreserve, "THREADS", 1)
-    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
-    kernel = HeldKernel(monkeypatch)
-    memory = host.Memory()
-    try:
-        _, failing = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
-        _, freed = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
-        kernel.allow(5)
-        wait_for(lambda: memory.ready(failing) and memory.ready(freed))
-        kernel.fail_fd_size = 2 << 20
-        memory.zero(failing, 0, 1 << 20)
-        kernel.allow(1)
-        memory.sync(failing)
-        with pytest.raises(AllocationFailed, match="cannot zero 1048576 bytes of shared memory: .*No space left"):
-            memory.ready(failing)
-        memory.zero(failing, 1 << 20, 1 << 20)  # the arena asks no more of it; nothing is queued if it does
-        assert memory._reserver.pending == 0
-        memory.zero(freed, 0, 3 << 20)
-        wait_for(lambda: freed.stepping)
-        memory.free_chunk(freed)
-        kernel.allow(5)
-        memory.sync(freed)
-        assert sum(1 for size, _, _ in kernel.calls if size == 3 << 20) == 3 + 1, "it stopped after its step"
-        assert memory._reserver.pending == 0
-        memory.free_chunk(failing)
-    finally:
-        kernel.allow()
-        memory.close()
+    kernel, memory = stepped
+    _, failing = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
+    _, freed = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
+    kernel.allow(5)
+    wait_for(lambda: memory.ready(failing) and memory.ready(freed))
+    kernel.fail_fd_size = 2 << 20
+    memory.zero(failing, 0, 1 << 20)
+    kernel.allow(1)
+    memory.sync(failing)
+    with pytest.raises(AllocationFailed, match="cannot zero 1048576 bytes of shared memory: .*No space left"):
+        memory.ready(failing)
+    memory.zero(failing, 1 << 20, 1 << 20)  # the arena asks no more of it; nothing is queued if it does
+    assert memory._reserver.pending == 0
+    memory.zero(freed, 0, 3 << 20)
+    wait_for(lambda: freed.stepping)
+    memory.free_chunk(freed)
+    kernel.allow(5)
+    memory.sync(freed)
+    assert sum(1 for size, _, _ in kernel.calls if size == 3 << 20) == 3 + 1, "it stopped after its step"
+    assert memory._reserver.pending == 0
+    memory.free_chunk(failing)
 
 
 def test_a_host_chunk_that_would_leave_the_machine_short_is_refused_with_the_numbers(monkeypatch):
