@@ -111,14 +111,14 @@ class Rendezvous:
             if refusal:
                 return None, [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
+        taken = bset.slots.get(rank)
+        if taken is not None:  # whatever it asks, a second claim on a rank cannot be this set's: only it is refused
+            message = f"rank {rank} of {bset.label} was already joined by pid {taken.pid}"
+            return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         problem = bset.mismatch(req)
         if problem:
             bset.told.add(rank)
             return None, self._fail(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
-        taken = bset.slots.get(rank)
-        if taken is not None:
-            message = f"rank {rank} of {bset.label} was already joined by pid {taken.pid}"
-            return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         return bset, []
 
     def _take_slot(self, bset: BufferSet, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:

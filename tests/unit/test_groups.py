@@ -219,6 +219,18 @@ def test_a_set_opens_only_once_every_ranks_memory_is_ready(slow):
     assert reg.memory_ready(0.4) == [], "opened once"
 
 
+def test_a_second_claim_on_a_rank_of_a_set_waiting_for_its_memory_is_refused_alone(slow):
+    """Every rank joined and the memory is still being reserved: a straggler claiming a taken rank, even
+    with other sizes, cannot be a member, so it alone is refused (RANK_TAKEN) and the set still opens."""
+    mem, reg = slow
+    join(reg, 0)
+    join(reg, 1)
+    straggler = errors(join(reg, 0, pid=999, nbytes=128))[("c", 0)]
+    assert straggler.code is ErrorCode.RANK_TAKEN and "already joined by pid 100" in straggler.message
+    mem.reserved |= {b"h1", b"h2"}
+    assert set(bodies(reg.memory_ready(0.1))) == {("c", 0), ("c", 1)}
+
+
 def test_memory_that_could_not_be_reserved_fails_the_set_for_every_rank_and_is_freed(slow):
     mem, reg = slow
     join(reg, 0)
