@@ -66,7 +66,7 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN_OP = "UNKNOWN_OP"
     MISMATCH = "MISMATCH"  # ranks of one buffer set disagree on npes, nbytes or flags
     RANK_INVALID = "RANK_INVALID"  # rank outside 0..npes-1
-    RANK_TAKEN = "RANK_TAKEN"  # another live process holds that rank
+    RANK_TAKEN = "RANK_TAKEN"  # another live process holds that rank (only the second claim is refused)
     TIMEOUT = "TIMEOUT"  # a rendezvous or agreement ran out of time
     RANK_DIED = "RANK_DIED"  # a rank's process died while others waited on it
     GROUP_FAILED = "GROUP_FAILED"  # the buffer set failed earlier; the reason says why
