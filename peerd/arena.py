@@ -30,7 +30,10 @@ Rules:
   taken first: a set made just after another was freed (an engine's next
   buffers, a restart of a job) waits for no device stream while its chunk has
   room; the wait comes when only zeroing ranges would fit, by then usually
-  long done. A new chunk is zeroed whole before its first buffer.
+  long done. Where the backend tells readiness by range (``ready_per_range``:
+  host memory, zeroed on threads), nothing waits: a zeroing range goes out
+  at once, and its set opens once it is zeroed, as a set waits for a chunk
+  still being reserved. A new chunk is zeroed whole before its first buffer.
 - **Big requests** (over a chunk) get a chunk of their own, returned to the
   driver as soon as that buffer is freed.
 - **Ready before handed out.** A backend may reserve a new chunk's memory
@@ -43,11 +46,6 @@ Rules:
   ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
 - **Cap**: the bytes of chunks one uid may reserve, over all devices;
   ``OverCap`` names the numbers.
-- **Fds**: where the daemon keeps an fd per chunk (the host backend's
-  memfds: ``keeps_fd``), each chunk takes a place in the daemon's fd room
-  (peerd.fdroom) first, at most ``CHUNKS_FD_SHARE`` of it: a user making
-  many chunks cannot spend the fds the connections need (libzmq aborts the
-  daemon on an accept that meets EMFILE), nor the pidfds' last quarter.
 """
 
 from __future__ import annotations
@@ -57,7 +55,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .fdroom import FdRoom
 from .sizes import human
 
 # Note [No free under a mapping]
@@ -76,9 +73,6 @@ from .sizes import human
 ALIGNMENT = 4096
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_IDLE_S = 30.0
-#: the share of the daemon's fd room chunks may fill (with whatever else is in it): the rest stays for the
-#: pidfds, as a process the daemon cannot watch cannot join
-CHUNKS_FD_SHARE = 0.75
 
 
 def align(nbytes: int) -> int:
@@ -86,8 +80,8 @@ def align(nbytes: int) -> int:
 
 
 class OverCap(Exception):
-    """A new chunk would take a uid past its cap, or the daemon past its fd room (the daemon answers
-    LIMIT_EXCEEDED)."""
+    """A new chunk would take a uid past its cap, or the daemon past its fd room (peerd.backends.host): the
+    daemon answers LIMIT_EXCEEDED."""
 
 
 class ChunkSource(Protocol):
@@ -97,8 +91,9 @@ class ChunkSource(Protocol):
         """A zero-filled chunk for ``uid``'s buffers: (its exported handle, the backend's token); raises
         AllocationFailed."""
 
-    def ready(self, token: Any) -> bool:
-        """Whether the chunk may be handed out yet; raises AllocationFailed where it never will be."""
+    def ready(self, token: Any, span: tuple[int, int] | None = None) -> bool:
+        """Whether the chunk (and where ``ready_per_range``, its range ``span``: offset, bytes) may be handed
+        out yet; raises AllocationFailed where it never will be."""
 
     def zero(self, token: Any, offset: int, nbytes: int) -> None:
         """Start zeroing a range (it may run asynchronously until ``sync``)."""
@@ -112,8 +107,9 @@ class ChunkSource(Protocol):
 
     #: freeing a chunk another process still maps is undefined: see Note [No free under a mapping]
     free_needs_unmapped: bool
-    #: the daemon holds an fd for each chunk until it frees it (a memfd), which takes a place in its fd room
-    keeps_fd: bool
+    #: ``ready`` tells for a range whether its zeroing is done, so a range still zeroing may go out at once:
+    #: its set opens once it is (peerd.rendezvous), and nothing waits in ``sync``
+    ready_per_range: bool
 
 
 @dataclass
@@ -175,14 +171,13 @@ class Arenas:
     """Every chunk of every (uid, device), and the rules above."""
 
     def __init__(self, source: ChunkSource, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 cap_per_uid: int | None = None, idle_s: float = DEFAULT_IDLE_S, fd_room: FdRoom | None = None):
+                 cap_per_uid: int | None = None, idle_s: float = DEFAULT_IDLE_S):
         if chunk_bytes <= 0 or chunk_bytes % ALIGNMENT:
             raise ValueError(f"the chunk size must be a positive multiple of {ALIGNMENT} bytes, not {chunk_bytes}")
         self._source = source
         self.chunk_bytes = chunk_bytes
         self.cap_per_uid = cap_per_uid
         self.idle_s = idle_s
-        self.fd_room = fd_room or FdRoom()  # the daemon's, once it serves: peerd.fdroom
         self.chunks: dict[int, Chunk] = {}
         self._ids = itertools.count(1)
 
@@ -205,14 +200,18 @@ class Arenas:
         chunk = self._new_chunk(max(size, self.chunk_bytes), device, flags, uid, dedicated=size > self.chunk_bytes)
         return self._hand_out(chunk, chunk.take(size), size)
 
-    def ready(self, chunk: Chunk) -> bool:
-        """Whether the chunk's memory may be handed out yet; where the backend could not have it after
-        all, the chunk is forsaken and its error raised."""
+    def ready(self, chunk: Chunk, span: tuple[int, int] | None = None) -> bool:
+        """Whether the chunk's memory (and a buffer's ``span`` of it: offset, bytes) may be handed out yet;
+        where the backend could not have the chunk after all, it is forsaken and its error raised. A range
+        that could not be zeroed raises too, and is tried again when it is next freed."""
         try:
-            return self._source.ready(chunk.token)
+            whole = self._source.ready(chunk.token)
         except Exception:
             self.forsake(chunk)
             raise
+        if whole and span is not None and self._source.ready_per_range:
+            return self._source.ready(chunk.token, span)
+        return whole
 
     def _usable(self, chunk: Chunk) -> bool:
         """Not forsaken, and not failed since: a chunk whose memory could not be had takes nothing more,
@@ -227,8 +226,10 @@ class Arenas:
         return Placement(chunk, offset, size)
 
     def _settle(self, chunk: Chunk) -> None:
-        """Wait for the chunk's zeroes, then put the zeroed ranges back on its free list."""
-        self._source.sync(chunk.token)
+        """Put the chunk's zeroing ranges back on its free list, once zeroed where the backend cannot tell
+        ``ready`` by range (a device stream is waited for)."""
+        if not self._source.ready_per_range:
+            self._source.sync(chunk.token)
         for offset, size in chunk.zeroing:
             chunk.give_back(offset, size)
         chunk.zeroing.clear()
@@ -241,14 +242,7 @@ class Arenas:
                 f"({human(size)}) on {device} would pass its cap of {self.cap_per_uid} bytes "
                 f"({human(self.cap_per_uid)}) (--arena-max-bytes-per-uid); release buffers it no longer uses"
             )
-        if self._source.keeps_fd and not self.fd_room.take(within=CHUNKS_FD_SHARE):
-            raise OverCap(f"no new chunk of {human(size)} on {device} for uid {uid}: {self.fd_room.describe()}")
-        try:
-            handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
-        except BaseException:
-            if self._source.keeps_fd:
-                self.fd_room.give()
-            raise
+        handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
         chunk = Chunk(next(self._ids), uid, device, flags, size, handle, token, dedicated, free=[[0, size]])
         self.chunks[chunk.id] = chunk
         return chunk
@@ -312,11 +306,7 @@ class Arenas:
 
     def _drop(self, chunk: Chunk) -> None:
         del self.chunks[chunk.id]
-        try:
-            self._source.free_chunk(chunk.token)
-        finally:
-            if self._source.keeps_fd:
-                self.fd_room.give()
+        self._source.free_chunk(chunk.token)
 
     def usage(self) -> list[dict[str, Any]]:
         """Reserved vs handed-out bytes by (device, uid): what status and the metrics show."""

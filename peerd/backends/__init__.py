@@ -121,8 +121,8 @@ class ChunkMemory(ABC):
     name: str
     #: a driver free under another process's IPC mapping is undefined (peerd.arena: Note [No free under a mapping])
     free_needs_unmapped = True
-    #: the daemon keeps an fd open per chunk (a memfd), which takes a place in its fd room (peerd.fdroom)
-    keeps_fd = False
+    #: ``ready`` tells by range when a freed range's zeroing is done (peerd.arena.ChunkSource)
+    ready_per_range = False
 
     @abstractmethod
     def devices(self) -> list[dict[str, Any]]:
@@ -140,10 +140,14 @@ class ChunkMemory(ABC):
     #: readable when a chunk that was not ``ready`` may be now; None where every chunk is ready at once
     ready_fd: int | None = None
 
-    def ready(self, token: Any) -> bool:
-        """Whether a chunk may be handed out yet (it may still be reserved off the loop); AllocationFailed
-        where it could not be had after all."""
+    def ready(self, token: Any, span: tuple[int, int] | None = None) -> bool:
+        """Whether a chunk (or its range ``span``, where ``ready_per_range``) may be handed out yet (it may
+        still be reserved or zeroed off the loop); AllocationFailed where it could not be had after all."""
         return True
+
+    def share_fd_room(self, room: FdRoom) -> None:
+        """Take a place in the daemon's fd room (peerd.fdroom) for each fd the backend keeps open; nothing
+        where it keeps none."""
 
     def sync(self, token: Any) -> None:
         """Wait for the zeroing started on a chunk (nothing where ``zero`` is synchronous)."""

@@ -71,8 +71,9 @@ class ArenaMemory(MemoryBackend):
         return self.chunks.ready_fd
 
     def ready(self, allocation: Allocation) -> bool:
+        placement: Placement = allocation.token
         with self._lock:
-            return self.arenas.ready(allocation.token.chunk)
+            return self.arenas.ready(placement.chunk, (placement.offset, placement.size))
 
     def free(self, allocation: Allocation) -> None:
         placement: Placement = allocation.token
@@ -94,8 +95,7 @@ class ArenaMemory(MemoryBackend):
             self._wake.notify()
 
     def share_fd_room(self, room: FdRoom) -> None:
-        with self._lock:
-            self.arenas.fd_room = room
+        self.chunks.share_fd_room(room)
 
     def trim(self) -> None:
         """Give every empty chunk back now (after an eviction)."""

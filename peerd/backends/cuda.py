@@ -235,14 +235,19 @@ class Memory(ChunkMemory):
 
     def sync(self, token: tuple[int, int]) -> None:
         ordinal, _ = token
-        cudart = self._rt
-        _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
-        _check(cudart, cudart.cudaStreamSynchronize(self._stream(ordinal)), "cudaStreamSynchronize")
+        _check(self._rt, self._rt.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
+        self._drain(ordinal)
+
+    def _drain(self, ordinal: int) -> None:
+        """Wait for device ``ordinal``'s zeroing stream, where it has one (current device set by the caller)."""
+        if ordinal in self._streams:
+            _check(self._rt, self._rt.cudaStreamSynchronize(self._streams[ordinal]), "cudaStreamSynchronize")
 
     def free_chunk(self, token: tuple[int, int]) -> None:
         ordinal, pointer = token
-        self.sync(token)  # no zeroing of the daemon's stream may run into memory the driver hands on
         cudart = self._rt
+        _check(cudart, cudart.cudaSetDevice(ordinal), f"cudaSetDevice({ordinal})")
+        self._drain(ordinal)  # no zeroing may run into memory the driver hands on
         _check(cudart, cudart.cudaFree(pointer), f"cudaFree on device {ordinal}")
 
     def close(self) -> None:

@@ -29,11 +29,16 @@ import errno
 import fcntl
 import mmap
 import os
+from typing import TYPE_CHECKING
 
+from ..arena import OverCap
 from ..sizes import human
 from . import Mapper as MapperBase
 from . import AllocationFailed, ChunkMemory
 from .hostreserve import Reservation, Reserver
+
+if TYPE_CHECKING:
+    from ..fdroom import FdRoom
 
 DEVICE = "host"
 #: what /proc/PID/fd and /proc/PID/maps show: /memfd:peerd
@@ -44,17 +49,27 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 #: the share of the memory the daemon may use that a new chunk must leave available to everything else
 HEADROOM_SHARE = 1 / 16
+#: the share of the daemon's fd room (peerd.fdroom) chunks' memfds may fill, with whatever else is in it: the
+#: rest stays for the pidfds, as a process the daemon cannot watch cannot join
+CHUNKS_FD_SHARE = 0.75
 
 
 
 class Memory(ChunkMemory):
     name = "host"
     free_needs_unmapped = False  # a worker's mmap keeps a memfd's pages alive after the daemon closes it
-    keeps_fd = True  # each chunk's memfd, until it is freed
+    ready_per_range = True  # a freed range is zeroed off the loop: it may go out at once, its set opens once done
 
     def __init__(self) -> None:
-        self._reserver = Reserver()
+        self._fd_room: FdRoom | None = None  # the daemon's, once it shares it
+        self._chunks = 0  # memfds open: each holds a place in the fd room
+        self._reserver = Reserver(closed=self._closed)
         self.ready_fd = self._reserver.wake_fd
+
+    def share_fd_room(self, room: FdRoom) -> None:
+        if self._chunks:
+            raise RuntimeError("the fd room is shared before the first chunk is made, not after")
+        self._fd_room = room
 
     def devices(self) -> list[dict]:
         return [
@@ -72,9 +87,11 @@ class Memory(ChunkMemory):
         if device != DEVICE:
             raise self.unknown_device(device)
         self._check_room(nbytes)
+        self._take_fd_place(nbytes, uid)
         try:
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as err:  # each buffer is one of the daemon's fds: EMFILE is its open-file limit
+            self._closed()
             hint = "; raise the daemon's open-file limit (LimitNOFILE)" if err.errno == errno.EMFILE else ""
             raise AllocationFailed(f"cannot create shared memory: {err}{hint}") from None
         try:
@@ -82,8 +99,28 @@ class Memory(ChunkMemory):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as err:
             os.close(fd)
+            self._closed()
             raise AllocationFailed(f"cannot create {nbytes} bytes of shared memory: {err}") from None
         return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
+
+    def _take_fd_place(self, nbytes: int, uid: int | None) -> None:
+        """A place in the fd room for a new memfd, while chunks fill less than their share of it; else
+        OverCap (LIMIT_EXCEEDED), with the numbers."""
+        room = self._fd_room
+        if room is not None and not room.take(within=CHUNKS_FD_SHARE):
+            raise OverCap(
+                f"no new chunk of {human(nbytes)} for uid {uid}: the daemon's memfds, pidfds and control page areas "
+                f"take {room.used} of its {room.size} spare file descriptors, and chunks may fill "
+                f"{CHUNKS_FD_SHARE:.0%} of them (the rest stays for the pidfds); release buffers you no longer use, "
+                "or have the daemon's hard fd limit raised (LimitNOFILE= in its unit)"
+            )
+        self._chunks += 1
+
+    def _closed(self) -> None:
+        """A memfd closed (or never made): its place in the fd room is free again."""
+        self._chunks -= 1
+        if self._fd_room is not None:
+            self._fd_room.give()
 
     def _check_room(self, nbytes: int) -> None:
         """AllocationFailed where ``nbytes`` more would leave less than the headroom available."""
@@ -98,15 +135,12 @@ class Memory(ChunkMemory):
                 "for less"
             )
 
-    def ready(self, token: Reservation) -> bool:
-        return token.ready()
+    def ready(self, token: Reservation, span: tuple[int, int] | None = None) -> bool:
+        return self._reserver.ready(token, span)
 
     def zero(self, token: Reservation, offset: int, nbytes: int) -> None:
         """Off the loop: the range's pages punched out (they read zero), then reserved again."""
         self._reserver.zero(token, offset, nbytes)
-
-    def sync(self, token: Reservation) -> None:
-        self._reserver.sync(token)
 
     def chunk_fd(self, token: Reservation) -> int:
         return token.fd

@@ -11,29 +11,39 @@ costs as much per byte: on the loop, a user cycling 64 MiB sets bought 15 ms
 of the daemon's time per release.
 
 So the work on a chunk runs in steps of ``STEP_BYTES`` on ``THREADS``
-threads: its reservation first, then the ranges freed since (``zero``).
-After each step a chunk goes to the back of its uid's queue and the uids
-take turns, so another user's small chunk waits for one step of each other
-uid at most, however much one user asked for; one chunk never has two steps
-running. A chunk freed meanwhile stops at its next step; closes go before
-any step (a close is what gives memory back). ``pending`` counts the bytes
-still to reserve, which MemAvailable does not show yet. The daemon's loop
-is woken through ``wake_fd`` each time a chunk's reservation ends (reserved,
-failed or stopped); ``sync`` waits for a chunk's zeroing, which the arena
-asks for only when nothing else fits (peerd.arena). A range that could not
-be reserved again fails its chunk: ``ready`` raises, and the arena forsakes it.
+threads: its reservation first, then the ranges freed since (``zero``),
+lowest first. After each step a chunk goes to the back of its uid's queue
+and the uids take turns, so another user's small chunk waits for one step
+of each other uid at most, however much one user asked for; one chunk never
+has two steps running. A chunk freed meanwhile stops at its next step;
+closes go before any step (a close is what gives memory back), and each
+close is reported (``closed``: the daemon's fd room gets its place back).
+``pending`` counts the bytes still to reserve, which MemAvailable does not
+show yet: a chunk's rest, and the ranges a step has punched out and not yet
+reserved again. The daemon's loop is woken through ``wake_fd`` each time a
+chunk's reservation ends (reserved, failed or stopped) and each time a step
+of zeroing ends, and ``ready`` says, for a range, whether it may be handed
+out: nothing on the loop ever waits for these threads. A range that could
+not be reserved again fails whoever is handed it, until it is freed and
+zeroed again.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 from . import AllocationFailed
 
+#: threads reserving and closing at once
+THREADS = 4
+#: bytes one step reserves: about 15 ms of a thread's time
+STEP_BYTES = 64 << 20
 #: fallocate(2) mode that frees a range's pages, keeping the file's size (allowed on a memfd sealed against
 #: resizing)
 PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -41,23 +51,81 @@ PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
-#: threads reserving and closing at once
-THREADS = 4
-#: bytes one step reserves: about 15 ms of a thread's time
-STEP_BYTES = 64 << 20
+
+class Ranges:
+    """Disjoint byte ranges [start, end), sorted, touching ones merged; ``total`` bytes in all. Each
+    operation is a binary search plus the ranges it touches, so a chunk with thousands freed stays cheap."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.total = 0
+
+    def add(self, start: int, end: int) -> None:
+        self.remove(start, end)
+        self.total += end - start
+        at = bisect.bisect_left(self._starts, start)
+        if at < len(self._starts) and self._starts[at] == end:  # the next one touches it
+            end = self._ends.pop(at)
+            del self._starts[at]
+        if at > 0 and self._ends[at - 1] == start:  # so does the previous one
+            self._ends[at - 1] = end
+        else:
+            self._starts.insert(at, start)
+            self._ends.insert(at, end)
+
+    def remove(self, start: int, end: int) -> None:
+        at = bisect.bisect_right(self._ends, start)  # the first range ending past start
+        while at < len(self._starts) and self._starts[at] < end:
+            lo, hi = self._starts[at], self._ends[at]
+            self.total -= min(hi, end) - max(lo, start)
+            if lo < start and hi > end:  # cut in two
+                self._ends[at] = start
+                self._starts.insert(at + 1, end)
+                self._ends.insert(at + 1, hi)
+                return
+            if lo < start:
+                self._ends[at] = start
+                at += 1
+            elif hi > end:
+                self._starts[at] = end
+                return
+            else:
+                del self._starts[at], self._ends[at]
+
+    def overlaps(self, start: int, end: int) -> bool:
+        at = bisect.bisect_right(self._ends, start)
+        return at < len(self._starts) and self._starts[at] < end
+
+    def front(self, limit: int) -> list[tuple[int, int]]:
+        """(offset, bytes) pieces from the lowest, ``limit`` bytes in all at most."""
+        pieces = []
+        for start, end in zip(self._starts, self._ends):
+            size = min(end - start, limit)
+            pieces.append((start, size))
+            limit -= size
+            if not limit:
+                break
+        return pieces
+
+    def clear(self) -> None:
+        self._starts.clear()
+        self._ends.clear()
+        self.total = 0
 
 
 @dataclass(eq=False)
 class Reservation:
-    """A chunk's memfd, how far its reservation got and the freed ranges it still has to zero; its fields
-    change under the Reserver's lock."""
+    """A chunk's memfd, how far its reservation got, and its freed ranges; changed under the Reserver's lock."""
 
     fd: int
     nbytes: int
     uid: int | None
     reserved: int = 0
-    error: AllocationFailed | None = None
-    refills: list[list[int]] = field(default_factory=list)  # [offset, bytes left] of freed ranges being zeroed
+    error: AllocationFailed | None = None  # the reservation failed: the whole chunk is lost
+    zeroing: Ranges = field(default_factory=Ranges)  # freed ranges still to punch out and reserve again
+    unzeroed: Ranges = field(default_factory=Ranges)  # ranges whose pages could not be had again
+    unzeroed_error: AllocationFailed | None = None  # why, the last time
     queued: bool = False  # in its uid's queue for a step
     stepping: bool = False  # a thread is running a step of it now
     freed: bool = False  # the daemon let the chunk go: its fd is closed once no step uses it
@@ -68,26 +136,18 @@ class Reservation:
         return self.error is not None or self.freed or self.reserved == self.nbytes
 
     @property
-    def left(self) -> int:
-        """Bytes it still has to reserve, its own or freed ranges' (none once failed or freed)."""
-        if self.error is not None or self.freed:
-            return 0
-        return self.nbytes - self.reserved + sum(size for _, size in self.refills)
-
-    def ready(self) -> bool:
-        """Reserved whole; AllocationFailed where it could not be."""
-        if self.error is not None:
-            raise self.error
-        return self.reserved == self.nbytes
+    def has_work(self) -> bool:
+        return self.error is None and not self.freed and (self.reserved < self.nbytes or self.zeroing.total > 0)
 
 
 class Reserver:
     """The threads, the queues (uid -> its chunks waiting for a step, the uids in turn order) and the closes."""
 
-    def __init__(self) -> None:
+    def __init__(self, closed: Callable[[], None] = lambda: None) -> None:
         self._lock = threading.Condition()
         self._turns: dict[int | None, list[Reservation]] = {}  # in turn order: the next uid first
         self._closes: list[int] = []
+        self._closed = closed
         self._pending = 0
         self._stopping = False
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -95,7 +155,7 @@ class Reserver:
 
     @property
     def pending(self) -> int:
-        """Bytes of chunks still to reserve: memory promised that MemAvailable does not show as taken yet."""
+        """Bytes still to reserve: memory promised that MemAvailable does not show as taken yet."""
         return self._pending
 
     def reserve(self, fd: int, nbytes: int, uid: int | None) -> Reservation:
@@ -110,43 +170,51 @@ class Reserver:
             self._queue(reservation)
         return reservation
 
+    def ready(self, reservation: Reservation, span: tuple[int, int] | None = None) -> bool:
+        """Reserved whole, and (for ``span``: offset, bytes) no zeroing of it left; AllocationFailed where
+        the chunk, or that range, could not be had."""
+        with self._lock:
+            if reservation.error is not None:
+                raise reservation.error
+            if reservation.reserved < reservation.nbytes:
+                return False
+            if span is None:
+                return True
+            start, end = span[0], span[0] + span[1]
+            if reservation.unzeroed.overlaps(start, end):
+                raise reservation.unzeroed_error
+            return not reservation.zeroing.overlaps(start, end)
+
     def zero(self, reservation: Reservation, offset: int, nbytes: int) -> None:
-        """Zero a freed range of a reserved chunk: its pages punched out (they read zero), then reserved
-        again, so nobody takes a SIGBUS on first touch."""
+        """Zero a freed range: its pages punched out (they read zero), then reserved again, so nobody takes
+        a SIGBUS on first touch. Until then ``ready`` says no for it."""
         with self._lock:
             if reservation.error is not None or reservation.freed:
                 return  # never handed out again
-            reservation.refills.append([offset, nbytes])
-            self._pending += nbytes
+            reservation.unzeroed.remove(offset, offset + nbytes)  # a range that failed is tried again
+            reservation.zeroing.add(offset, offset + nbytes)
             if not (reservation.queued or reservation.stepping):
                 self._queue(reservation)
-
-    def sync(self, reservation: Reservation) -> None:
-        """Wait until the chunk has no range left to zero (a range that failed fails the chunk: ``ready``)."""
-        with self._lock:
-            while (reservation.refills or reservation.stepping) and not self._stopping:
-                self._lock.wait()
 
     def free(self, reservation: Reservation) -> None:
         """The chunk is freed: stop its work and close its fd, on a thread (the last close frees the pages)."""
         with self._lock:
             if reservation.freed:
                 return  # its fd is closed already, or will be: never twice
-            unreserved = not reservation.finished
-            self._pending -= reservation.left
+            if reservation.error is None:
+                self._pending -= reservation.nbytes - reservation.reserved
             reservation.freed = True
-            reservation.refills.clear()
-            self._lock.notify_all()  # a sync waiting on it
-            if unreserved:
-                self._wake()
+            reservation.zeroing.clear()
             if reservation.queued:
                 self._unqueue(reservation)
             if reservation.stepping:
                 return  # the step's thread closes it (after its step)
-            if self._stopping:  # no thread is left to do it
-                os.close(reservation.fd)
+            if not self._stopping:
+                self._closes.append(reservation.fd)
+                self._lock.notify()
                 return
-            self._closes.append(reservation.fd)
+        os.close(reservation.fd)  # no thread is left to do it
+        self._closed()
 
     def close(self) -> None:
         """Stop: the steps under way end, the closes asked for are made, no further step is taken."""
@@ -171,21 +239,58 @@ class Reserver:
                     reservation = self._next()
                     reservation.queued, reservation.stepping = False, True
                     refill = reservation.reserved == reservation.nbytes
-                    offset, size = reservation.refills[0] if refill else (reservation.reserved, reservation.nbytes)
-                    step = min(STEP_BYTES, size if refill else size - offset)
+                    if refill:
+                        pieces = reservation.zeroing.front(STEP_BYTES)
+                        self._pending += sum(size for _, size in pieces)  # punched out: no longer in use
+                    else:
+                        pieces = [(reservation.reserved, min(STEP_BYTES, reservation.nbytes - reservation.reserved))]
             if reservation is None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+                self._closed()
                 continue
-            error = None
+            done, error = 0, None
             try:
-                if refill and _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, step) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                os.posix_fallocate(reservation.fd, offset, step)
-            except Exception as err:  # whatever it is, the chunk must finish, and this thread live on
-                doing = f"zero {step} bytes of" if refill else f"reserve {reservation.nbytes} bytes of"
-                error = AllocationFailed(f"cannot {doing} shared memory: {err}")
-            self._stepped(reservation, refill, step, error)
+                for offset, size in pieces:
+                    if refill and _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
+                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                    os.posix_fallocate(reservation.fd, offset, size)
+                    done += 1
+            except Exception as err:  # whatever it is, the step must end, and this thread live on
+                doing = "zero a freed range" if refill else f"reserve {reservation.nbytes} bytes"
+                error = AllocationFailed(f"cannot {doing} of shared memory: {err}")
+            with self._lock:
+                self._stepped(reservation, refill, pieces, done, error)
+
+    def _stepped(self, reservation: Reservation, refill: bool, pieces: list[tuple[int, int]], done: int,
+                 error: AllocationFailed | None) -> None:
+        """Account for a step (under the lock): the first ``done`` pieces went well, the next raised ``error``."""
+        reservation.stepping = False
+        if refill:
+            self._pending -= sum(size for _, size in pieces)
+            if not reservation.freed:  # no one was handed these ranges while they were zeroed: none rejoined
+                for offset, size in pieces:
+                    reservation.zeroing.remove(offset, offset + size)
+                for offset, size in pieces[done:done + 1] if error is not None else ():
+                    reservation.unzeroed.add(offset, offset + size)
+                    reservation.unzeroed_error = error
+                for offset, size in pieces[done + 1:] if error is not None else ():
+                    reservation.zeroing.add(offset, offset + size)  # not tried: the next step tries them
+            self._wake()  # a set may wait for these ranges
+        elif not reservation.freed:
+            if error is None:
+                reservation.reserved += pieces[0][1]
+                self._pending -= pieces[0][1]
+            else:
+                reservation.error = error  # before any wake-up: a failed chunk never reads as reserved
+                self._pending -= reservation.nbytes - reservation.reserved
+            if reservation.finished:
+                self._wake()
+        if reservation.freed:
+            self._closes.append(reservation.fd)
+            self._lock.notify()
+        elif reservation.has_work:
+            self._queue(reservation)  # the back of its uid's queue: every uid's chunks take turns
 
     def _queue(self, reservation: Reservation) -> None:
         """To the back of its uid's queue (under the lock)."""
@@ -208,32 +313,7 @@ class Reserver:
             self._turns[uid] = waiting
         return reservation
 
-    def _stepped(self, reservation: Reservation, refill: bool, step: int, error: AllocationFailed | None) -> None:
-        with self._lock:
-            reservation.stepping = False
-            left = reservation.left
-            if error is not None:
-                reservation.error = error  # before any wake-up: a failed chunk never reads as reserved
-                reservation.refills.clear()
-            elif refill:
-                if not reservation.freed:
-                    reservation.refills[0][0] += step
-                    reservation.refills[0][1] -= step
-                    if not reservation.refills[0][1]:
-                        reservation.refills.pop(0)
-            else:
-                reservation.reserved += step
-            self._pending += reservation.left - left
-            if reservation.freed:
-                self._closes.append(reservation.fd)
-            elif error is not None or (not refill and reservation.finished):
-                self._wake()
-            if reservation.left and not reservation.freed:
-                self._queue(reservation)  # the back of its uid's queue: every uid's chunks take turns
-            else:
-                self._lock.notify_all()  # closes to make, a sync waiting on it
-
     def _wake(self) -> None:
-        """Tell the daemon's loop a chunk's reservation ended (under the lock)."""
+        """Tell the daemon's loop some memory may be ready now (under the lock)."""
         with contextlib.suppress(OSError):  # a full pipe is readable already
             os.write(self._wake_w, b"\0")

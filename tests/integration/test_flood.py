@@ -218,7 +218,7 @@ def test_host_memory_chunks_never_take_the_fds_the_connections_need(procs, socke
     room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
     holder, held = flood(procs, d, "chunks", users[FLOODER], 2000)
     assert held["refusal"] is not None and held["refusal"]["code"] == "LIMIT_EXCEEDED", held
-    assert "file descriptors its limit leaves beside its connections" in held["refusal"]["message"], held
+    assert "spare file descriptors, and chunks may fill 75%" in held["refusal"]["message"], held
     assert held["sets"] >= room["size"] // 2, held
     idle, _ = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
     assert d.proc.poll() is None, d.logs()[-3000:]

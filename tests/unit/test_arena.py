@@ -2,8 +2,7 @@
 
 import pytest
 
-from peerd.arena import ALIGNMENT, CHUNKS_FD_SHARE, Arenas, OverCap, align, describe_usage
-from peerd.fdroom import FdRoom
+from peerd.arena import ALIGNMENT, Arenas, OverCap, align, describe_usage
 
 CHUNK = 64 * ALIGNMENT
 
@@ -13,13 +12,14 @@ class Source:
     a process still maps would be undefined (Note [No free under a mapping])."""
 
     free_needs_unmapped = True
-    keeps_fd = False
+    ready_per_range = False
 
     def __init__(self):
         self.memory: dict[int, bytearray] = {}
         self.pending: dict[int, list[tuple[int, int]]] = {}
         self.freed: list[int] = []
         self.failed: set[int] = set()  # chunks whose memory the backend could not have after all
+        self.spans: list[tuple[int, tuple[int, int]]] = []  # (chunk, span) asked about
         self.syncs = 0
         self._next = 0
 
@@ -28,9 +28,12 @@ class Source:
         self.memory[self._next] = bytearray(nbytes)
         return b"chunk%d" % self._next, self._next
 
-    def ready(self, token):
+    def ready(self, token, span=None):
         if token in self.failed:
             raise RuntimeError(f"chunk {token} could not be reserved")
+        if span is not None:
+            self.spans.append((token, span))
+            return not any(offset == span[0] for offset, _ in self.pending.get(token, []))
         return True
 
     def zero(self, token, offset, nbytes):
@@ -161,22 +164,20 @@ def test_the_cap_counts_reserved_chunks_per_uid(source):
     assert len(source.memory) == 2
 
 
-def test_chunks_that_keep_an_fd_take_at_most_their_share_of_the_daemons_fd_room(source):
-    """Host chunks are memfds the daemon holds: past CHUNKS_FD_SHARE of its fd room a new one is refused
-    (LIMIT_EXCEEDED) with the numbers, a buffer that fits a chunk it has still goes in, and a freed chunk
-    gives its place back."""
-    source.keeps_fd = True
-    room = FdRoom(8)
-    room.take()  # a pidfd, say
-    arenas = Arenas(source, CHUNK, idle_s=0, fd_room=room)
-    placed = [arenas.place(CHUNK, "host", 0, 1000 + i) for i in range(int(8 * CHUNKS_FD_SHARE) - 1)]
-    assert room.used == 8 * CHUNKS_FD_SHARE
-    with pytest.raises(OverCap, match=r"no new chunk of 256.0 KiB on host for uid 2000: the daemon holds 6 .* of the 8 "
-                                      r"file descriptors .*LimitNOFILE"):
-        arenas.place(4096, "host", 0, 2000)
-    assert len(source.memory) == len(placed), "refused before the backend was asked"
-    arenas.release(placed[0], now=0)
-    assert room.used == 5 and arenas.place(4096, "host", 0, 2000).chunk.uid == 2000
+def test_where_the_backend_tells_readiness_by_range_a_zeroing_range_goes_out_without_a_wait(source):
+    """Host memory is zeroed on threads: a range still zeroing is handed out at once, no sync on the caller,
+    and its readiness is asked for that range (the set opens once it is zeroed)."""
+    source.ready_per_range = True
+    arenas = Arenas(source, CHUNK, idle_s=10)
+    full = arenas.place(CHUNK, "host", 0, 1000)
+    assert arenas.ready(full.chunk, (0, CHUNK))
+    arenas.release(full, now=0)
+    again = arenas.place(CHUNK, "host", 0, 1000)
+    assert again.chunk is full.chunk and source.syncs == 0, "the zeroing range went out, nothing waited"
+    assert not arenas.ready(again.chunk, (again.offset, again.size)), "not ready while it is being zeroed"
+    assert arenas.ready(again.chunk) and source.spans[-1] == (again.chunk.token, (0, CHUNK))
+    source.sync(again.chunk.token)
+    assert arenas.ready(again.chunk, (again.offset, again.size))
 
 
 def test_an_empty_chunk_goes_back_only_after_idle_s(arenas, source):

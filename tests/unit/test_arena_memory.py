@@ -3,6 +3,7 @@
 import errno
 import mmap
 import os
+import random
 import select
 import threading
 import time
@@ -10,7 +11,9 @@ import time
 import pytest
 
 from peerd.backends import AllocationFailed, ChunkMemory, host, hostreserve
+from peerd.arena import OverCap
 from peerd.backends.arenas import ArenaMemory, ArenaSettings
+from peerd.fdroom import FdRoom
 from peerd.sizes import human
 
 
@@ -162,60 +165,111 @@ def test_uids_take_turns_and_a_chunk_freed_while_reserved_stops_at_its_next_step
         memory.free_chunk(token)
 
 
-def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_sync_waits_for_it(stepped):
+def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_reads_ready_once_done(stepped):
     """Punching a freed range's pages out and reserving them again costs as much as a reservation: it
-    runs on the threads, a step at a time in its uid's turn; ``sync`` waits for it, and then the range
-    reads zero, pages really there, and the rest of the chunk is untouched."""
+    runs on the threads, in its uid's turn, and ``ready`` says no for that range (not for others) until
+    it is done, when the loop is woken; then it reads zero, pages there, the rest of the chunk untouched.
+    Only the bytes a step has punched out count as pending: the rest are still in use."""
     kernel, memory = stepped
     _, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
     kernel.allow(4)
     wait_for(lambda: memory.ready(chunk))
+    os.read(memory.ready_fd, 4096)
     with mmap.mmap(chunk.fd, 4 << 20) as view:
         view[:] = b"\xff" * (4 << 20)
-        memory.zero(chunk, 1 << 20, 2 << 20)
+        memory.zero(chunk, 1 << 20, 1 << 20)
+        memory.zero(chunk, 2 << 20, 1 << 20)  # its neighbour: one range to zero
         _, other = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
-        assert memory._reserver.pending == 3 << 20, "the range to reserve again counts as promised"
-        synced = threading.Thread(target=memory.sync, args=(chunk,))
-        synced.start()
-        synced.join(0.2)
-        assert synced.is_alive(), "sync waits for the zeroing"
-        kernel.allow(3)
-        synced.join(10)
-        assert not synced.is_alive()
+        wait_for(lambda: chunk.stepping)
+        assert memory._reserver.pending == (1 << 20) + (1 << 20), "the other chunk, and the step punched out"
+        assert not memory.ready(chunk, (1 << 20, 4096)) and not memory.ready(chunk, ((3 << 20) - 4096, 4096))
+        assert memory.ready(chunk, (0, 1 << 20)) and memory.ready(chunk, (3 << 20, 1 << 20)), "only that range"
+        kernel.allow(1)
+        wait_for(lambda: memory.ready(chunk, (1 << 20, 1 << 20)))
+        assert select.select([memory.ready_fd], [], [], 0)[0], "the loop is woken for the set waiting on it"
+        kernel.allow(2)
+        wait_for(lambda: memory.ready(chunk, (1 << 20, 2 << 20)))
         assert [(size, offset) for size, offset, _ in kernel.calls[4:]] == [
             (4 << 20, 1 << 20), (1 << 20, 0), (4 << 20, 2 << 20)], "a step each, the uids in turn"
         assert view[1 << 20:3 << 20] == bytes(2 << 20)
         assert view[:1 << 20] + view[3 << 20:] == b"\xff" * (2 << 20), "only the freed range was zeroed"
     assert os.fstat(chunk.fd).st_blocks * 512 >= 4 << 20, "its pages are reserved again"
-    assert memory._reserver.pending == 0 and memory.ready(other) and memory.ready(chunk)
+    assert memory._reserver.pending == 0 and memory.ready(other)
     for token in (chunk, other):
         memory.free_chunk(token)
 
 
-def test_a_range_that_cannot_be_reserved_again_fails_its_chunk_and_a_free_stops_the_zeroing(stepped):
-    """A range whose pages could not be had again fails its chunk (the arena forsakes it: nothing more goes
-    in, no SIGBUS later); a chunk freed while zeroing stops at its next step; a sync returns either way."""
+def test_a_range_that_cannot_be_reserved_again_fails_its_set_until_it_is_zeroed_again(stepped):
+    """A range whose pages could not be had again raises for whoever is handed it (the rest of the chunk
+    serves on); freed and zeroed again, it is tried again. A chunk freed while zeroing stops at its step."""
     kernel, memory = stepped
-    _, failing = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
+    _, chunk = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
     _, freed = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
     kernel.allow(5)
-    wait_for(lambda: memory.ready(failing) and memory.ready(freed))
+    wait_for(lambda: memory.ready(chunk) and memory.ready(freed))
     kernel.fail_fd_size = 2 << 20
-    memory.zero(failing, 0, 1 << 20)
+    memory.zero(chunk, 0, 1 << 20)
     kernel.allow(1)
-    memory.sync(failing)
-    with pytest.raises(AllocationFailed, match="cannot zero 1048576 bytes of shared memory: .*No space left"):
-        memory.ready(failing)
-    memory.zero(failing, 1 << 20, 1 << 20)  # the arena asks no more of it; nothing is queued if it does
-    assert memory._reserver.pending == 0
+    wait_for(lambda: not chunk.zeroing.total)
+    with pytest.raises(AllocationFailed, match="cannot zero a freed range of shared memory: .*No space left"):
+        memory.ready(chunk, (0, 4096))
+    assert memory.ready(chunk) and memory.ready(chunk, (1 << 20, 1 << 20)), "the chunk and its other range serve on"
+    kernel.fail_fd_size = None
+    memory.zero(chunk, 0, 1 << 20)
+    kernel.allow(1)
+    wait_for(lambda: memory.ready(chunk, (0, 1 << 20)))
     memory.zero(freed, 0, 3 << 20)
     wait_for(lambda: freed.stepping)
     memory.free_chunk(freed)
     kernel.allow(5)
-    memory.sync(freed)
+    wait_for(lambda: not freed.stepping)
     assert sum(1 for size, _, _ in kernel.calls if size == 3 << 20) == 3 + 1, "it stopped after its step"
     assert memory._reserver.pending == 0
-    memory.free_chunk(failing)
+    memory.free_chunk(chunk)
+
+
+def test_memfds_take_at_most_their_share_of_the_daemons_fd_room_and_free_it_once_closed(stepped):
+    """Each chunk is a memfd the daemon holds: past CHUNKS_FD_SHARE of its fd room a new one is refused
+    (LIMIT_EXCEEDED) with the numbers, and a freed chunk's place comes back once its fd is really closed."""
+    kernel, memory = stepped
+    room = FdRoom(8)
+    memory.share_fd_room(room)
+    room.take()  # a pidfd, say
+    chunks = [memory.allocate_chunk(4096, host.DEVICE, 0, uid=1000)[1] for _ in range(5)]
+    assert room.used == 8 * host.CHUNKS_FD_SHARE
+    with pytest.raises(OverCap, match=r"no new chunk of 4.0 KiB for uid 2000: .* take 6 of its 8 spare file "
+                                      r"descriptors, and chunks may fill 75% .*LimitNOFILE"):
+        memory.allocate_chunk(4096, host.DEVICE, 0, uid=2000)
+    memory.free_chunk(chunks[0])
+    assert room.used == 6, "still open: queued behind the held step"
+    kernel.allow()
+    wait_for(lambda: room.used == 5)
+    with pytest.raises(RuntimeError, match="before the first chunk"):
+        memory.share_fd_room(FdRoom(8))
+    for token in chunks[1:]:
+        memory.free_chunk(token)
+    wait_for(lambda: room.used == 1)
+
+
+def test_ranges_match_a_set_of_bytes_under_any_adds_and_removes():
+    """The reserver's bookkeeping of ranges to zero: merged, cut and searched as a plain set would be."""
+    rng = random.Random(7)
+    ranges, model = hostreserve.Ranges(), set()
+    for _ in range(3000):
+        start = rng.randrange(0, 200)
+        end = start + rng.randrange(1, 30)
+        if rng.random() < 0.55:
+            ranges.add(start, end)
+            model |= set(range(start, end))
+        else:
+            ranges.remove(start, end)
+            model -= set(range(start, end))
+        assert ranges.total == len(model)
+        probe = rng.randrange(0, 230)
+        assert ranges.overlaps(probe, probe + 5) == bool(model & set(range(probe, probe + 5)))
+        assert all(a + n < b for (a, n), (b, _) in zip(ranges.front(10 ** 9), ranges.front(10 ** 9)[1:])), "merged"
+    pieces = ranges.front(50)
+    assert sum(n for _, n in pieces) == min(50, len(model)) and all(set(range(a, a + n)) <= model for a, n in pieces)
 
 
 def test_a_host_chunk_that_would_leave_the_machine_short_is_refused_with_the_numbers(monkeypatch):
