@@ -280,7 +280,8 @@ class Arenas:
             return
         if not chunk.used:
             chunk.empty_since = now
-        # a range the driver failed to zero never rejoins the free list; its chunk still goes back when idle
+        # where zero raises at once (a driver refusing a memset) the range never rejoins the free list; its
+        # chunk still goes back when idle
         self._source.zero(chunk.token, placement.offset, size)
         chunk.zeroing.append((placement.offset, size))
 

@@ -254,7 +254,8 @@ class Rendezvous:
         waited = now - min(s.joined_at for s in bset.slots.values())
         missing = bset.missing()
         why = (f"rank(s) {missing} of {bset.npes} never joined (joined: {bset.who()})" if missing else
-               f"every rank joined, but the {human(bset.nbytes)} buffers of its ranks were still being reserved")
+               f"every rank joined, but the {human(bset.nbytes)} buffers of its ranks were still being reserved or "
+               "zeroed")
         message = f"rendezvous of {bset.label} timed out after {waited:.1f}s: {why}"
         return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
 

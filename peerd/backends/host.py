@@ -61,14 +61,11 @@ class Memory(ChunkMemory):
     ready_per_range = True  # a freed range is zeroed off the loop: it may go out at once, its set opens once done
 
     def __init__(self) -> None:
-        self._fd_room: FdRoom | None = None  # the daemon's, once it shares it
-        self._chunks = 0  # memfds open: each holds a place in the fd room
+        self._fd_room: FdRoom | None = None  # the daemon's, shared before the first chunk
         self._reserver = Reserver(closed=self._closed)
         self.ready_fd = self._reserver.wake_fd
 
     def share_fd_room(self, room: FdRoom) -> None:
-        if self._chunks:
-            raise RuntimeError("the fd room is shared before the first chunk is made, not after")
         self._fd_room = room
 
     def devices(self) -> list[dict]:
@@ -101,7 +98,12 @@ class Memory(ChunkMemory):
             os.close(fd)
             self._closed()
             raise AllocationFailed(f"cannot create {nbytes} bytes of shared memory: {err}") from None
-        return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
+        try:
+            return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
+        except Exception as err:  # no thread could be started to reserve it
+            os.close(fd)
+            self._closed()
+            raise AllocationFailed(f"cannot reserve {nbytes} bytes of shared memory: {err}") from None
 
     def _take_fd_place(self, nbytes: int, uid: int | None) -> None:
         """A place in the fd room for a new memfd, while chunks fill less than their share of it; else
@@ -114,11 +116,9 @@ class Memory(ChunkMemory):
                 f"{CHUNKS_FD_SHARE:.0%} of them (the rest stays for the pidfds); release buffers you no longer use, "
                 "or have the daemon's hard fd limit raised (LimitNOFILE= in its unit)"
             )
-        self._chunks += 1
 
     def _closed(self) -> None:
         """A memfd closed (or never made): its place in the fd room is free again."""
-        self._chunks -= 1
         if self._fd_room is not None:
             self._fd_room.give()
 

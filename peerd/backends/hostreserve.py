@@ -14,18 +14,19 @@ So the work on a chunk runs in steps of ``STEP_BYTES`` on ``THREADS``
 threads: its reservation first, then the ranges freed since (``zero``),
 lowest first. After each step a chunk goes to the back of its uid's queue
 and the uids take turns, so another user's small chunk waits for one step
-of each other uid at most, however much one user asked for; one chunk never
-has two steps running. A chunk freed meanwhile stops at its next step;
+of each other uid at most, however much one user asked for (a step zeroes
+``STEP_RANGES`` freed ranges at most); one chunk never has two steps running. A chunk freed meanwhile stops at its next step;
 closes go before any step (a close is what gives memory back), and each
 close is reported (``closed``: the daemon's fd room gets its place back).
 ``pending`` counts the bytes still to reserve, which MemAvailable does not
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
 reserved again. The daemon's loop is woken through ``wake_fd`` each time a
-chunk's reservation ends (reserved, failed or stopped) and each time a step
-of zeroing ends, and ``ready`` says, for a range, whether it may be handed
-out: nothing on the loop ever waits for these threads. A range that could
-not be reserved again fails whoever is handed it, until it is freed and
-zeroed again.
+chunk's reservation ends (reserved, failed or stopped) and each time a
+chunk has no range left to zero (or one failed), and ``ready`` says, for a range, whether it may be handed
+out: nothing on the loop ever waits for these threads. Ranges that could
+not be reserved again fail the set that asks for one of them (the memory
+was short), and are zeroed once more from then on, so the next set handed
+one waits for that try instead of failing at once.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from . import AllocationFailed
 THREADS = 4
 #: bytes one step reserves: about 15 ms of a thread's time
 STEP_BYTES = 64 << 20
+#: freed ranges one step zeroes at most (two syscalls each): thousands of 4 KiB ones cost more than their bytes
+STEP_RANGES = 512
 #: fallocate(2) mode that frees a range's pages, keeping the file's size (allowed on a memfd sealed against
 #: resizing)
 PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -62,6 +65,8 @@ class Ranges:
         self.total = 0
 
     def add(self, start: int, end: int) -> None:
+        if start >= end:
+            return
         self.remove(start, end)
         self.total += end - start
         at = bisect.bisect_left(self._starts, start)
@@ -75,38 +80,52 @@ class Ranges:
             self._ends.insert(at, end)
 
     def remove(self, start: int, end: int) -> None:
-        at = bisect.bisect_right(self._ends, start)  # the first range ending past start
-        while at < len(self._starts) and self._starts[at] < end:
-            lo, hi = self._starts[at], self._ends[at]
-            self.total -= min(hi, end) - max(lo, start)
-            if lo < start and hi > end:  # cut in two
-                self._ends[at] = start
-                self._starts.insert(at + 1, end)
-                self._ends.insert(at + 1, hi)
-                return
-            if lo < start:
-                self._ends[at] = start
+        self.remove_all([(start, end - start)])
+
+    def remove_all(self, pieces: list[tuple[int, int]]) -> None:
+        """Take out (offset, bytes) pieces, sorted and disjoint, in one pass over the ranges they touch."""
+        pieces = [(offset, offset + size) for offset, size in pieces if size > 0]
+        if not pieces:
+            return
+        lo = bisect.bisect_right(self._ends, pieces[0][0])  # the first range ending past the first piece
+        hi = bisect.bisect_left(self._starts, pieces[-1][1])  # the ranges starting before the last one ends
+        kept_starts, kept_ends, at = [], [], 0
+        for start, end in zip(self._starts[lo:hi], self._ends[lo:hi]):
+            while at < len(pieces) and pieces[at][1] <= start:
                 at += 1
-            elif hi > end:
-                self._starts[at] = end
-                return
-            else:
-                del self._starts[at], self._ends[at]
+            cut = at
+            while cut < len(pieces) and pieces[cut][0] < end:  # the pieces overlapping [start, end)
+                self.total -= min(end, pieces[cut][1]) - max(start, pieces[cut][0])
+                if pieces[cut][0] > start:
+                    kept_starts.append(start)
+                    kept_ends.append(pieces[cut][0])
+                start = max(start, pieces[cut][1])
+                if pieces[cut][1] > end:
+                    break
+                cut += 1
+            at = cut
+            if start < end:
+                kept_starts.append(start)
+                kept_ends.append(end)
+        self._starts[lo:hi], self._ends[lo:hi] = kept_starts, kept_ends
 
     def overlaps(self, start: int, end: int) -> bool:
         at = bisect.bisect_right(self._ends, start)
         return at < len(self._starts) and self._starts[at] < end
 
-    def front(self, limit: int) -> list[tuple[int, int]]:
-        """(offset, bytes) pieces from the lowest, ``limit`` bytes in all at most."""
+    def front(self, limit: int, count: int) -> list[tuple[int, int]]:
+        """(offset, bytes) pieces from the lowest: ``count`` at most, ``limit`` bytes in all at most."""
         pieces = []
-        for start, end in zip(self._starts, self._ends):
+        for start, end in zip(self._starts[:count], self._ends[:count]):
             size = min(end - start, limit)
             pieces.append((start, size))
             limit -= size
             if not limit:
                 break
         return pieces
+
+    def __len__(self) -> int:
+        return len(self._starts)
 
     def clear(self) -> None:
         self._starts.clear()
@@ -182,6 +201,7 @@ class Reserver:
                 return True
             start, end = span[0], span[0] + span[1]
             if reservation.unzeroed.overlaps(start, end):
+                self._retry(reservation)  # memory may be back: the next set handed these ranges waits for it
                 raise reservation.unzeroed_error
             return not reservation.zeroing.overlaps(start, end)
 
@@ -240,7 +260,7 @@ class Reserver:
                     reservation.queued, reservation.stepping = False, True
                     refill = reservation.reserved == reservation.nbytes
                     if refill:
-                        pieces = reservation.zeroing.front(STEP_BYTES)
+                        pieces = reservation.zeroing.front(STEP_BYTES, STEP_RANGES)
                         self._pending += sum(size for _, size in pieces)  # punched out: no longer in use
                     else:
                         pieces = [(reservation.reserved, min(STEP_BYTES, reservation.nbytes - reservation.reserved))]
@@ -269,14 +289,14 @@ class Reserver:
         if refill:
             self._pending -= sum(size for _, size in pieces)
             if not reservation.freed:  # no one was handed these ranges while they were zeroed: none rejoined
-                for offset, size in pieces:
-                    reservation.zeroing.remove(offset, offset + size)
-                for offset, size in pieces[done:done + 1] if error is not None else ():
-                    reservation.unzeroed.add(offset, offset + size)
+                reservation.zeroing.remove_all(pieces)
+                if error is not None:  # the rest of the step's pieces are as unsure: all of them wait for a retry
+                    for offset, size in pieces[done:]:
+                        reservation.unzeroed.add(offset, offset + size)
                     reservation.unzeroed_error = error
-                for offset, size in pieces[done + 1:] if error is not None else ():
-                    reservation.zeroing.add(offset, offset + size)  # not tried: the next step tries them
-            self._wake()  # a set may wait for these ranges
+                if error is not None or not reservation.zeroing.total:
+                    self._wake()  # once the chunk's zeroing is done (or failed), not each step: every wake-up
+                    # has the loop ask every set waiting for memory
         elif not reservation.freed:
             if error is None:
                 reservation.reserved += pieces[0][1]
@@ -291,6 +311,14 @@ class Reserver:
             self._lock.notify()
         elif reservation.has_work:
             self._queue(reservation)  # the back of its uid's queue: every uid's chunks take turns
+
+    def _retry(self, reservation: Reservation) -> None:
+        """Zero every range that failed once more (under the lock)."""
+        for offset, size in reservation.unzeroed.front(reservation.unzeroed.total, len(reservation.unzeroed)):
+            reservation.zeroing.add(offset, offset + size)
+        reservation.unzeroed.clear()
+        if not (reservation.queued or reservation.stepping):
+            self._queue(reservation)
 
     def _queue(self, reservation: Reservation) -> None:
         """To the back of its uid's queue (under the lock)."""
