@@ -13,6 +13,7 @@ against ``TRANSITIONS``: an illegal change is a bug in the rules and raises.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,11 +146,16 @@ class SetIndex:
         self.current: dict[tuple[int | None, str, str], BufferSet] = {}  # the current set of each (uid, group, name)
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
         self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
+        self._of_uid: Counter[int | None] = Counter()  # sets of each uid, current and retired: counted as they
+        # come and go, so a new set's limit check costs nothing however many sets the daemon keeps
 
     def add(self, bset: BufferSet) -> None:
         """``bset`` is its key's current set now."""
         self.current[bset.key] = bset
-        self._by_group.setdefault((bset.owner_uid, bset.group), {})[bset.id] = bset
+        named = self._by_group.setdefault((bset.owner_uid, bset.group), {})
+        if bset.id not in named:
+            named[bset.id] = bset
+            self._of_uid[bset.owner_uid] += 1
 
     def retire(self, bset: BufferSet) -> None:
         """A new set takes the key; the old one lives until its last holder lets go. See Note [Retired sets]."""
@@ -168,9 +174,20 @@ class SetIndex:
 
     def _unindex(self, bset: BufferSet) -> None:
         named = self._by_group.get((bset.owner_uid, bset.group), {})
-        named.pop(bset.id, None)
+        if named.pop(bset.id, None) is not None:
+            self._of_uid[bset.owner_uid] -= 1
+            if not self._of_uid[bset.owner_uid]:
+                del self._of_uid[bset.owner_uid]
         if not named:
             self._by_group.pop((bset.owner_uid, bset.group), None)
+
+    def size(self) -> int:
+        """How many sets the index keeps, current and retired."""
+        return sum(self._of_uid.values())
+
+    def size_of(self, uid: int | None) -> int:
+        """How many of them are ``uid``'s."""
+        return self._of_uid.get(uid, 0)
 
     def of_group(self, uid: int | None, group: str) -> list[BufferSet]:
         """Every set, current or retired, of one group of one uid's namespace."""
@@ -207,14 +224,6 @@ class SetIndex:
         """Ranks holding a set, over every set."""
         return sum(len(b.holding_slots()) for b in self.all())
 
-    def sets_counted_toward_max_groups(self) -> int:
-        """Buffer sets that count against --max-groups: all but failed ones nobody holds (kept verdicts)."""
-        return sum(map(_counted, self.all()))
-
-    def sets_of_uid_counted(self, uid: int | None) -> int:
-        """``uid``'s sets that count against --max-groups-per-uid, as above."""
-        return sum(_counted(b) for b in self.all() if b.owner_uid == uid)
-
     def listing(self, now: float, uid: int | None, every: bool) -> list[dict[str, Any]]:
         """One entry per buffer set of ``uid``'s namespace (of every one if ``every``), sorted by group, name, uid."""
         shown = [b for b in self.all() if every or b.owner_uid == uid]
@@ -241,8 +250,4 @@ class SetIndex:
         self.current.clear()
         self.retired.clear()
         self._by_group.clear()
-
-
-def _counted(bset: BufferSet) -> bool:
-    """Whether a set counts against the set limits: a failed one only while some rank holds it."""
-    return bset.state is not State.FAILED or bool(bset.holding_slots())
+        self._of_uid.clear()

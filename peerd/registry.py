@@ -141,7 +141,7 @@ class Registry:
 
     def sets_counted_toward_max_groups(self) -> int:
         """Buffer sets that count against --max-groups: all but failed ones nobody holds."""
-        return self._sets.index.sets_counted_toward_max_groups()
+        return self._sets.sets_counted()
 
     @property
     def limits(self) -> Limits:

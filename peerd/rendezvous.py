@@ -211,8 +211,16 @@ class Rendezvous:
 
     def _room_refusal(self, key: SetKey) -> str | None:
         """Why the daemon may not keep one more set, of ``key``'s uid: its share, or the total."""
-        return self._quotas.sets_refusal(self.index.sets_counted_toward_max_groups(),
-                                         self.index.sets_of_uid_counted(key[0]), *key)
+        return self._quotas.sets_refusal(self.sets_counted(), self.sets_of_uid_counted(key[0]), *key)
+
+    def sets_counted(self) -> int:
+        """Sets that count against --max-groups: every one but the kept verdicts, the failed sets nobody
+        holds (a failed set nobody holds is always kept as one, or else forgotten)."""
+        return self.index.size() - sum(map(len, self._verdicts.values()))
+
+    def sets_of_uid_counted(self, uid: int | None) -> int:
+        """``uid``'s sets that count against --max-groups-per-uid, as above."""
+        return self.index.size_of(uid) - len(self._verdicts.get(uid, ()))
 
     def _new_set(self, key: SetKey, npes: int, nbytes: int, flags: int, now: float) -> BufferSet:
         """A rendezvous for ``key``, now the key's current set."""

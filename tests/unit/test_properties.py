@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerd import ops, protocol
+from peerd.buffersets import State
 from peerd.credentials import Credentials
 from peerd.registry import Registry
 from peerd.protocol import ProtocolError
@@ -100,6 +101,9 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
             call(reg.agree, pid, {"group": "g", "rank": ev[1], "npes": 3, "ok": ev[2], "timeout": None})
         held = {s.allocation.handle for b in reg.all_sets() for s in b.slots.values() if s.allocation}
         assert held == set(mem.live), "every live allocation belongs to exactly one slot"
+        counted = sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in reg.all_sets())
+        assert reg.sets_counted_toward_max_groups() == counted == reg._sets.sets_of_uid_counted(None), \
+            "the sets counted as they come and go are those the limits mean: all but failed ones nobody holds"
 
     now += 1000
     deliver(reg.expire(now))
