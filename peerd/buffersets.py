@@ -148,6 +148,8 @@ class SetIndex:
         self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
         self._of_uid: Counter[int | None] = Counter()  # sets of each uid, current and retired: counted as they
         # come and go, so a new set's limit check costs nothing however many sets the daemon keeps
+        self._of_pid: dict[int, dict[int, BufferSet]] = {}  # pid -> the sets it has a slot in, by id: a death
+        # looks at those alone
 
     def add(self, bset: BufferSet) -> None:
         """``bset`` is its key's current set now."""
@@ -172,12 +174,26 @@ class SetIndex:
         self.retired.pop(bset.id, None)
         self._unindex(bset)
 
+    def take_slot(self, bset: BufferSet, slot: Slot) -> None:
+        """``slot`` joins ``bset``, an indexed set."""
+        bset.slots[slot.rank] = slot
+        self._of_pid.setdefault(slot.pid, {})[bset.id] = bset
+
+    def sets_of_pid(self, pid: int) -> list[BufferSet]:
+        """The indexed sets in which ``pid`` has a slot, held or not."""
+        return list(self._of_pid.get(pid, {}).values())
+
     def _unindex(self, bset: BufferSet) -> None:
         named = self._by_group.get((bset.owner_uid, bset.group), {})
         if named.pop(bset.id, None) is not None:
             self._of_uid[bset.owner_uid] -= 1
             if not self._of_uid[bset.owner_uid]:
                 del self._of_uid[bset.owner_uid]
+            for slot in bset.slots.values():
+                sets = self._of_pid.get(slot.pid, {})
+                sets.pop(bset.id, None)
+                if not sets:
+                    self._of_pid.pop(slot.pid, None)
         if not named:
             self._by_group.pop((bset.owner_uid, bset.group), None)
 
@@ -251,3 +267,4 @@ class SetIndex:
         self.retired.clear()
         self._by_group.clear()
         self._of_uid.clear()
+        self._of_pid.clear()

@@ -135,7 +135,7 @@ class Rendezvous:
             bset.told.add(rank)
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
-        bset.slots[rank] = Slot(rank, pid, uid, device, allocation, now, waiter=caller)
+        self.index.take_slot(bset, Slot(rank, pid, uid, device, allocation, now, waiter=caller))
         timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
         log.debug("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
@@ -497,7 +497,7 @@ class Rendezvous:
         """Fail what waits on a dead process, drop its holds; the (group, rank)s it held, for tp_agree."""
         out: Outbox = []
         ranks: set[RankKey] = set()
-        for bset in self.index.all():
+        for bset in self.index.sets_of_pid(pid):
             for slot in list(bset.slots.values()):
                 if slot.pid != pid or not slot.held:
                     continue

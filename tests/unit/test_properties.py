@@ -104,6 +104,13 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
         counted = sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in reg.all_sets())
         assert reg.sets_counted_toward_max_groups() == counted == reg._sets.sets_of_uid_counted(None), \
             "the sets counted as they come and go are those the limits mean: all but failed ones nobody holds"
+        by_pid: dict[int, set[int]] = {}
+        for b in reg.all_sets():
+            for slot in b.slots.values():
+                by_pid.setdefault(slot.pid, set()).add(b.id)
+        assert {pid: {b.id for b in reg._sets.index.sets_of_pid(pid)} for pid in by_pid} == by_pid, \
+            "a death looks at the sets its pid has a slot in: all of them"
+        assert all(not reg._sets.index.sets_of_pid(pid) for pid in set(PIDS) - set(by_pid)), "and no stale one"
 
     now += 1000
     deliver(reg.expire(now))
