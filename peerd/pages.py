@@ -140,6 +140,8 @@ class Pages:
         self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
         self._area_ids = itertools.count(1)
         self._spares: dict[int | None, dict[int, _Area]] = {}  # uid -> its unused areas still mapped, oldest first
+        self._of_pid: dict[int, dict[int, _Area]] = {}  # pid -> the open areas it is a mapper of: a death
+        # looks at those alone
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
     # ------------------------------------------------------------ placing, and the fd channel
@@ -159,7 +161,9 @@ class Pages:
         offset = area.free.pop()
         page = area.area.page_at(offset, size)
         page.format(bset.npes, self.instance, bset.id)
-        area.mappers.update(s.pid for s in bset.slots.values())
+        for pid in {s.pid for s in bset.slots.values()}:
+            area.mappers.add(pid)
+            self._of_pid.setdefault(pid, {})[area.id] = area
         self._pages[bset.id] = _Entry(bset.id, area, offset, page)
         return [area.id, offset, bset.id]
 
@@ -256,7 +260,7 @@ class Pages:
 
     def process_gone(self, pid: int) -> None:
         """A process exited, and its mappings with it: the slots and areas it kept may go."""
-        for area in [a for areas in self._areas.values() for a in areas]:
+        for area in self._of_pid.pop(pid, {}).values():
             area.mappers.discard(pid)
             for offset, pids in list(area.retired.items()):
                 pids.discard(pid)
@@ -290,6 +294,11 @@ class Pages:
         spares.pop(area.id, None)
         if not spares:
             self._spares.pop(area.owner[0], None)
+        for pid in area.mappers:
+            of_pid = self._of_pid.get(pid, {})
+            of_pid.pop(area.id, None)
+            if not of_pid:
+                self._of_pid.pop(pid, None)
         area.area.close()
         self._fd_room.give()
         area.closed = True
@@ -307,6 +316,7 @@ class Pages:
         self._pages.clear()
         self._areas.clear()
         self._spares.clear()
+        self._of_pid.clear()
         for fd in (self._alive_r, self._alive_w):
             if fd >= 0:
                 os.close(fd)

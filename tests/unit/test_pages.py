@@ -294,8 +294,9 @@ def test_an_area_is_closed_once_every_slot_is_free_and_every_process_it_was_hand
     assert pages.areas == 1, "its processes may map it still: the next set of theirs needs no fd"
     pages.process_gone(100)
     assert pages.areas == 1
+    assert list(pages._of_pid) == [101], "a death looks at the areas of its pid alone: only 101's is left"
     pages.process_gone(101)
-    assert pages.areas == 0
+    assert pages.areas == 0 and pages._of_pid == {}
 
 
 def test_a_process_cycling_through_group_names_keeps_only_a_few_unused_areas_open(reg, pages, caplog):
