@@ -93,6 +93,12 @@ class BufferSet:
         (a backend may reserve it off the daemon's loop)."""
         return "its set's memory was ready" if len(self.slots) == self.npes else "every rank joined"
 
+    def heard(self, rank: int) -> None:
+        """``rank`` has heard the verdict; a rank outside the set (a join that disagreed on npes) is none of
+        the ranks its verdict is kept for."""
+        if rank < self.npes:
+            self.told.add(rank)
+
     def move(self, to: State, failure: ProtocolError | None = None) -> None:
         """Change state, if the life of a set allows it; a failed set keeps ``failure`` as its verdict."""
         if to not in TRANSITIONS[self.state]:

@@ -117,7 +117,7 @@ class Rendezvous:
             return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         problem = bset.mismatch(req)
         if problem:
-            bset.told.add(rank)
+            bset.heard(rank)
             return None, self._fail(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
         return bset, []
 
@@ -126,13 +126,13 @@ class Rendezvous:
         rank, device, pid, uid = req["rank"], req["device"], who.pid, who.uid
         refusal = self._quotas.usage_refusal(bset.nbytes, uid, device)
         if refusal:
-            bset.told.add(rank)
+            bset.heard(rank)
             message = f"rank {rank} (pid {pid}): {refusal}"
             return self._fail(bset, ErrorCode.LIMIT_EXCEEDED, message, [caller], now=now)
         try:
             allocation = self._allocate(bset.nbytes, device, bset.flags, bset.owner_uid)
         except ProtocolError as err:
-            bset.told.add(rank)
+            bset.heard(rank)
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
         self.index.take_slot(bset, Slot(rank, pid, uid, device, allocation, now, waiter=caller))
@@ -186,7 +186,7 @@ class Rendezvous:
             if self._room_refusal(key):
                 return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
             bset = self._new_set(key, npes, 0, 0, now)
-        bset.told.add(rank)
+        bset.heard(rank)
         return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
 
     def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str) -> Send | None:
@@ -204,7 +204,7 @@ class Rendezvous:
 
     def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:
         """A late rank hears a kept verdict. See Note [Failure verdicts are kept]."""
-        bset.told.add(rank)
+        bset.heard(rank)
         if len(bset.told) == bset.npes:
             self._forget(bset)
         return Send(caller, error=bset.failure)

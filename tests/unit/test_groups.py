@@ -124,6 +124,15 @@ def test_mismatch_is_reported_to_every_rank_and_frees_memory(reg, mem, field, va
     assert reg.sets == {}, "once every rank heard the verdict it is forgotten"
 
 
+def test_a_join_outside_the_set_does_not_count_as_one_of_its_ranks_hearing_the_verdict(reg):
+    """A join with npes=3 as rank 2 fails a 2-rank set (MISMATCH); rank 2 is none of its ranks, so rank 1,
+    still to come, is still owed the verdict: it hears it instead of starting a rendezvous of its own."""
+    join(reg, 0)
+    assert errors(join(reg, 2, npes=3, pid=300))[("c", 2)].code is ErrorCode.MISMATCH
+    late = errors(join(reg, 1))[("c", 1)]
+    assert late.code is ErrorCode.MISMATCH, "the kept verdict, not a new rendezvous"
+
+
 def test_rank_out_of_range_and_taken(reg):
     assert errors(join(reg, 2))[("c", 2)].code is ErrorCode.RANK_INVALID
     join(reg, 0)

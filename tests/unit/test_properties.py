@@ -75,16 +75,36 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
         issued[caller] = pid
         deliver(method(caller, Credentials(None, None, pid), body, now))
 
+    def check():
+        """What must hold after every event."""
+        held = {s.allocation.handle for b in reg.all_sets() for s in b.slots.values() if s.allocation}
+        assert held == set(mem.live), "every live allocation belongs to exactly one slot"
+        counted = sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in reg.all_sets())
+        assert reg.sets_counted_toward_max_groups() == counted == reg._sets.sets_of_uid_counted(None), \
+            "the sets counted as they come and go are those the limits mean: all but failed ones nobody holds"
+        verdicts = {i for kept in reg._sets._verdicts.values() for i in kept}
+        assert verdicts == {b.id for b in reg.all_sets() if b.state is State.FAILED and not b.holding_slots()}, \
+            "a failed set nobody holds is kept as a verdict, and only such a set"
+        by_pid: dict[int, set[int]] = {}
+        for b in reg.all_sets():
+            for slot in b.slots.values():
+                by_pid.setdefault(slot.pid, set()).add(b.id)
+        assert {pid: {b.id for b in reg._sets.index.sets_of_pid(pid)} for pid in by_pid} == by_pid, \
+            "a death looks at the sets its pid has a slot in: all of them"
+        assert all(not reg._sets.index.sets_of_pid(pid) for pid in set(PIDS) - set(by_pid)), "and no stale one"
+
     for ev in events:
         kind = ev[0]
         if kind == "wait":
             now += ev[1]
             deliver(reg.expire(now))
+            check()
             continue
         if kind == "die":
             if ev[1] not in dead:
                 dead.add(ev[1])
                 deliver(reg.process_died(ev[1], now))
+            check()
             continue
         pid = ev[-1]
         if pid in dead:
@@ -99,18 +119,7 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
             call(reg.release, pid, {"group": "g", "name": name, "rank": ev[1]})
         else:
             call(reg.agree, pid, {"group": "g", "rank": ev[1], "npes": 3, "ok": ev[2], "timeout": None})
-        held = {s.allocation.handle for b in reg.all_sets() for s in b.slots.values() if s.allocation}
-        assert held == set(mem.live), "every live allocation belongs to exactly one slot"
-        counted = sum(b.state is not State.FAILED or bool(b.holding_slots()) for b in reg.all_sets())
-        assert reg.sets_counted_toward_max_groups() == counted == reg._sets.sets_of_uid_counted(None), \
-            "the sets counted as they come and go are those the limits mean: all but failed ones nobody holds"
-        by_pid: dict[int, set[int]] = {}
-        for b in reg.all_sets():
-            for slot in b.slots.values():
-                by_pid.setdefault(slot.pid, set()).add(b.id)
-        assert {pid: {b.id for b in reg._sets.index.sets_of_pid(pid)} for pid in by_pid} == by_pid, \
-            "a death looks at the sets its pid has a slot in: all of them"
-        assert all(not reg._sets.index.sets_of_pid(pid) for pid in set(PIDS) - set(by_pid)), "and no stale one"
+        check()
 
     now += 1000
     deliver(reg.expire(now))
