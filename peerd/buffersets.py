@@ -13,13 +13,13 @@ against ``TRANSITIONS``: an illegal change is a bug in the rules and raises.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.allocation import Allocation
 from .outbox import Caller
 from .protocol import ProtocolError
+from .quotas import tally
 from .rounds import Round
 
 
@@ -152,7 +152,7 @@ class SetIndex:
         self.current: dict[tuple[int | None, str, str], BufferSet] = {}  # the current set of each (uid, group, name)
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
         self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
-        self._of_uid: Counter[int | None] = Counter()  # sets of each uid, current and retired: counted as they
+        self._of_uid: dict[int | None, int] = {}  # sets of each uid, current and retired: counted as they
         # come and go, so a new set's limit check costs nothing however many sets the daemon keeps
         self._of_pid: dict[int, dict[int, BufferSet]] = {}  # pid -> the sets it has a slot in, by id: a death
         # looks at those alone
@@ -163,7 +163,7 @@ class SetIndex:
         named = self._by_group.setdefault((bset.owner_uid, bset.group), {})
         if bset.id not in named:
             named[bset.id] = bset
-            self._of_uid[bset.owner_uid] += 1
+            tally(self._of_uid, bset.owner_uid, 1)
 
     def retire(self, bset: BufferSet) -> None:
         """A new set takes the key; the old one lives until its last holder lets go. See Note [Retired sets]."""
@@ -192,9 +192,7 @@ class SetIndex:
     def _unindex(self, bset: BufferSet) -> None:
         named = self._by_group.get((bset.owner_uid, bset.group), {})
         if named.pop(bset.id, None) is not None:
-            self._of_uid[bset.owner_uid] -= 1
-            if not self._of_uid[bset.owner_uid]:
-                del self._of_uid[bset.owner_uid]
+            tally(self._of_uid, bset.owner_uid, -1)
             for slot in bset.slots.values():
                 sets = self._of_pid.get(slot.pid, {})
                 sets.pop(bset.id, None)

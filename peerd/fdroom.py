@@ -3,11 +3,11 @@
 libzmq aborts the whole daemon when its accept() meets EMFILE (peerd.connections), so
 the fds the connection caps count on must stay free. Every other fd the daemon keeps
 for a while, a pidfd per watched process (peerd.liveness), a memfd per control page
-area (peerd.pages) and per host memory chunk (peerd.arena), takes a place in this room
-first, and is refused, never opened, once the room is full: a user who makes the daemon
-watch processes, open areas or make chunks cannot spend the fds its connections need.
-``room_within`` sizes it from the fd limit. Chunks are also given back by the arena's
-sweeper thread, so places are taken and given under a lock.
+area (peerd.pages) and per host memory chunk (peerd.backends.host), takes a place in this
+room first, and is refused, never opened, once the room is full: a user who makes the
+daemon watch processes, open areas or make chunks cannot spend the fds its connections
+need. ``room_within`` sizes it from the fd limit. A chunk's place is given back by the
+thread that closes its memfd, so places are taken and given under a lock.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any
 
+from .quotas import tally
+
 log = logging.getLogger("peerd.metrics")
 
 #: connections served at once; one past these is reset as soon as it is accepted
@@ -87,7 +89,7 @@ class MetricsServer(http.server.HTTPServer):
             mine = self._by_uid.get(uid, 0)
             taken = mine < MAX_CONNECTIONS_PER_UID and self._slots.acquire(blocking=False)
             if taken:
-                self._by_uid[uid] = mine + 1
+                tally(self._by_uid, uid, 1)
                 self._deadlines[request] = time.monotonic() + DEADLINE_S
         if not taken:
             self._refuse(request, uid)
@@ -121,9 +123,7 @@ class MetricsServer(http.server.HTTPServer):
     def _forget(self, request: Any, uid: int | None) -> None:
         with self._lock:
             self._deadlines.pop(request, None)
-            self._by_uid[uid] -= 1
-            if not self._by_uid[uid]:
-                del self._by_uid[uid]
+            tally(self._by_uid, uid, -1)
         self._slots.release()
 
     def service_actions(self) -> None:

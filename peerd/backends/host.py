@@ -54,7 +54,6 @@ HEADROOM_SHARE = 1 / 16
 CHUNKS_FD_SHARE = 0.75
 
 
-
 class Memory(ChunkMemory):
     name = "host"
     free_needs_unmapped = False  # a worker's mmap keeps a memfd's pages alive after the daemon closes it
@@ -94,16 +93,11 @@ class Memory(ChunkMemory):
         try:
             os.ftruncate(fd, nbytes)  # zero-filled; reserved off the loop
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        except OSError as err:
+            return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
+        except Exception as err:  # OSError, or no thread could be started to reserve it
             os.close(fd)
             self._closed()
             raise AllocationFailed(f"cannot create {nbytes} bytes of shared memory: {err}") from None
-        try:
-            return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
-        except Exception as err:  # no thread could be started to reserve it
-            os.close(fd)
-            self._closed()
-            raise AllocationFailed(f"cannot reserve {nbytes} bytes of shared memory: {err}") from None
 
     def _take_fd_place(self, nbytes: int, uid: int | None) -> None:
         """A place in the fd room for a new memfd, while chunks fill less than their share of it; else

@@ -37,7 +37,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import AllocationFailed
 
@@ -124,8 +124,9 @@ class Ranges:
                 break
         return pieces
 
-    def __len__(self) -> int:
-        return len(self._starts)
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        """Each range as (start, end), lowest first."""
+        return zip(self._starts, self._ends)
 
     def clear(self) -> None:
         self._starts.clear()
@@ -213,8 +214,7 @@ class Reserver:
                 return  # never handed out again
             reservation.unzeroed.remove(offset, offset + nbytes)  # a range that failed is tried again
             reservation.zeroing.add(offset, offset + nbytes)
-            if not (reservation.queued or reservation.stepping):
-                self._queue(reservation)
+            self._queue(reservation)
 
     def free(self, reservation: Reservation) -> None:
         """The chunk is freed: stop its work and close its fd, on a thread (the last close frees the pages)."""
@@ -314,14 +314,15 @@ class Reserver:
 
     def _retry(self, reservation: Reservation) -> None:
         """Zero every range that failed once more (under the lock)."""
-        for offset, size in reservation.unzeroed.front(reservation.unzeroed.total, len(reservation.unzeroed)):
-            reservation.zeroing.add(offset, offset + size)
+        for start, end in reservation.unzeroed:
+            reservation.zeroing.add(start, end)
         reservation.unzeroed.clear()
-        if not (reservation.queued or reservation.stepping):
-            self._queue(reservation)
+        self._queue(reservation)
 
     def _queue(self, reservation: Reservation) -> None:
-        """To the back of its uid's queue (under the lock)."""
+        """To the back of its uid's queue, unless it is there or stepping already (under the lock)."""
+        if reservation.queued or reservation.stepping:
+            return
         reservation.queued = True
         self._turns.setdefault(reservation.uid, []).append(reservation)
         self._lock.notify()
