@@ -99,6 +99,7 @@ class Agreements:
         self._sets = sets  # asked who holds a rank, and which ranks died holding one
         self._waits = waits
         self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
+        self.voting: dict[int, set[tuple[int | None, str]]] = {}  # pid -> keys of the kept agreements it votes in
         self.evicted: dict[tuple[int | None, str], set[int]] = {}  # by (uid, group): pids that voted before it
 
     def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
@@ -127,6 +128,7 @@ class Agreements:
         if owner != pid:
             message = f"rank {rank} of group={group} votes from pid {owner}, not {pid}"
             return out + [refuse(caller, ErrorCode.NOT_MEMBER, message)]
+        self._votes_in(pid, agreement)
         k = agreement.calls.get(rank, 0) + 1
         rnd = agreement.rounds.get(k)
         if rnd is None:
@@ -173,6 +175,7 @@ class Agreements:
             # a survivor entered (each False already: the rank was dead), and the survivors keep their count
             del agreement.dead[rank]
             agreement.pids[rank] = pid
+            self._votes_in(pid, agreement)
             agreement.calls[rank] = agreement.most_entered(besides=rank)
             log.info("group=%s rank=%d: pid %d takes the place of the dead pid, from round %d", group, rank, pid,
                      agreement.calls[rank] + 1)
@@ -200,10 +203,20 @@ class Agreements:
 
         return settled
 
+    def _votes_in(self, pid: int, agreement: Agreement) -> None:
+        """Index ``pid`` as a voter of ``agreement``, so its death looks at its own agreements alone."""
+        self.voting.setdefault(pid, set()).add(agreement.key)
+
     def _drop(self, agreement: Agreement) -> None:
         if self.kept.get(agreement.key) is agreement:
             del self.kept[agreement.key]
             self._quotas.count_agreement(agreement.owner_uid, -1)
+            for pid in set(agreement.pids.values()):
+                keys = self.voting.get(pid)
+                if keys is not None:
+                    keys.discard(agreement.key)
+                    if not keys:
+                        del self.voting[pid]
             for rnd in agreement.rounds.values():
                 rnd.abandon()
 
@@ -256,8 +269,8 @@ class Agreements:
         for uid, group in [key for key, pids in self.evicted.items() if pid in pids]:
             self._forgive(uid, group, pid)
         ranks = set(held)
-        for agreement in list(self.kept.values()):
-            ranks |= {(agreement.key, r) for r, owner in agreement.pids.items() if owner == pid}
+        for key in self.voting.pop(pid, ()):
+            ranks |= {(key, r) for r, owner in self.kept[key].pids.items() if owner == pid}
         out: Outbox = []
         for key, rank in ranks:
             agreement = self.kept.get(key)
@@ -285,6 +298,7 @@ class Agreements:
             for rnd in agreement.rounds.values():
                 out += [Send(c, error=error) for c in rnd.waiters.values()]
         self.kept.clear()
+        self.voting.clear()
         self.evicted.clear()
         self._quotas.forget_agreements()
         return out

@@ -51,6 +51,7 @@ event = st.one_of(
     st.tuples(st.just("agree"), st.integers(0, 2), st.booleans(), st.sampled_from(PIDS)),
     st.tuples(st.just("die"), st.sampled_from(PIDS)),
     st.tuples(st.just("wait"), st.floats(0, 30)),
+    st.tuples(st.just("evict")),
 )
 
 
@@ -92,12 +93,24 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
         assert {pid: {b.id for b in reg._sets.index.sets_of_pid(pid)} for pid in by_pid} == by_pid, \
             "a death looks at the sets its pid has a slot in: all of them"
         assert all(not reg._sets.index.sets_of_pid(pid) for pid in set(PIDS) - set(by_pid)), "and no stale one"
+        voters: dict[int, set] = {}
+        for key, agreement in reg.agreements.items():
+            for rank, pid in agreement.pids.items():
+                if rank not in agreement.dead:
+                    voters.setdefault(pid, set()).add(key)
+        assert reg._agreements.voting == voters, \
+            "a death looks at the agreements its pid votes in: all of them, and none it left or that was dropped"
 
     for ev in events:
         kind = ev[0]
         if kind == "wait":
             now += ev[1]
             deliver(reg.expire(now))
+            check()
+            continue
+        if kind == "evict":
+            out, _ = reg.evict("g", None)
+            deliver(out)
             check()
             continue
         if kind == "die":
