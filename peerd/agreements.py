@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from .buffersets import RankKey, SetIndex
 from .credentials import Credentials
+from .index import Index
 from .outbox import Caller, Outbox, Send, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
@@ -99,7 +100,7 @@ class Agreements:
         self._sets = sets  # asked who holds a rank, and which ranks died holding one
         self._waits = waits
         self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
-        self.voting: dict[int, set[tuple[int | None, str]]] = {}  # pid -> keys of the kept agreements it votes in
+        self.voting: Index[int, tuple[int | None, str], Agreement] = Index()  # pid -> the agreements it votes in
         self.evicted: dict[tuple[int | None, str], set[int]] = {}  # by (uid, group): pids that voted before it
 
     def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
@@ -205,18 +206,14 @@ class Agreements:
 
     def _votes_in(self, pid: int, agreement: Agreement) -> None:
         """Index ``pid`` as a voter of ``agreement``, so its death looks at its own agreements alone."""
-        self.voting.setdefault(pid, set()).add(agreement.key)
+        self.voting.add(pid, agreement.key, agreement)
 
     def _drop(self, agreement: Agreement) -> None:
         if self.kept.get(agreement.key) is agreement:
             del self.kept[agreement.key]
             self._quotas.count_agreement(agreement.owner_uid, -1)
             for pid in set(agreement.pids.values()):
-                keys = self.voting.get(pid)
-                if keys is not None:
-                    keys.discard(agreement.key)
-                    if not keys:
-                        del self.voting[pid]
+                self.voting.discard(pid, agreement.key)
             for rnd in agreement.rounds.values():
                 rnd.abandon()
 
@@ -269,8 +266,8 @@ class Agreements:
         for uid, group in [key for key, pids in self.evicted.items() if pid in pids]:
             self._forgive(uid, group, pid)
         ranks = set(held)
-        for key in self.voting.pop(pid, ()):
-            ranks |= {(key, r) for r, owner in self.kept[key].pids.items() if owner == pid}
+        for key, agreement in self.voting.pop(pid, {}).items():
+            ranks |= {(key, r) for r, owner in agreement.pids.items() if owner == pid}
         out: Outbox = []
         for key, rank in ranks:
             agreement = self.kept.get(key)

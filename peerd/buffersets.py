@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.allocation import Allocation
+from .index import Index
 from .outbox import Caller
 from .protocol import ProtocolError
 from .quotas import tally
@@ -154,7 +155,7 @@ class SetIndex:
         self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
         self._of_uid: dict[int | None, int] = {}  # sets of each uid, current and retired: counted as they
         # come and go, so a new set's limit check costs nothing however many sets the daemon keeps
-        self._of_pid: dict[int, dict[int, BufferSet]] = {}  # pid -> the sets it has a slot in, by id: a death
+        self._of_pid: Index[int, int, BufferSet] = Index()  # pid -> the sets it has a slot in, by id: a death
         # looks at those alone
 
     def add(self, bset: BufferSet) -> None:
@@ -183,7 +184,7 @@ class SetIndex:
     def take_slot(self, bset: BufferSet, slot: Slot) -> None:
         """``slot`` joins ``bset``, an indexed set."""
         bset.slots[slot.rank] = slot
-        self._of_pid.setdefault(slot.pid, {})[bset.id] = bset
+        self._of_pid.add(slot.pid, bset.id, bset)
 
     def sets_of_pid(self, pid: int) -> list[BufferSet]:
         """The indexed sets in which ``pid`` has a slot, held or not."""
@@ -194,10 +195,7 @@ class SetIndex:
         if named.pop(bset.id, None) is not None:
             tally(self._of_uid, bset.owner_uid, -1)
             for slot in bset.slots.values():
-                sets = self._of_pid.get(slot.pid, {})
-                sets.pop(bset.id, None)
-                if not sets:
-                    self._of_pid.pop(slot.pid, None)
+                self._of_pid.discard(slot.pid, bset.id)
         if not named:
             self._by_group.pop((bset.owner_uid, bset.group), None)
 

@@ -62,6 +62,7 @@ from .controlpage import (
     page_bytes,
 )
 from .fdroom import FdRoom
+from .index import Index
 from .pagearea import AREA_PAGES, Area
 from .protocol import ErrorCode, ProtocolError
 
@@ -139,8 +140,8 @@ class Pages:
         self._pages: dict[int, _Entry] = {}
         self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
         self._area_ids = itertools.count(1)
-        self._spares: dict[int | None, dict[int, _Area]] = {}  # uid -> its unused areas still mapped, oldest first
-        self._of_pid: dict[int, dict[int, _Area]] = {}  # pid -> the open areas it is a mapper of: a death
+        self._spares: Index[int | None, int, _Area] = Index()  # uid -> its unused areas still mapped, oldest first
+        self._of_pid: Index[int, int, _Area] = Index()  # pid -> the open areas it is a mapper of: a death
         # looks at those alone
         self._alive_r, self._alive_w = os.pipe()  # non-inheritable: no child of the daemon holds the write end
 
@@ -157,13 +158,13 @@ class Pages:
         except (PageError, OSError) as err:
             log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
             return None
-        self._spares.get(bset.owner_uid, {}).pop(area.id, None)
+        self._spares.discard(bset.owner_uid, area.id)
         offset = area.free.pop()
         page = area.area.page_at(offset, size)
         page.format(bset.npes, self.instance, bset.id)
         for pid in {s.pid for s in bset.slots.values()}:
             area.mappers.add(pid)
-            self._of_pid.setdefault(pid, {})[area.id] = area
+            self._of_pid.add(pid, area.id, area)
         self._pages[bset.id] = _Entry(bset.id, area, offset, page)
         return [area.id, offset, bset.id]
 
@@ -290,15 +291,9 @@ class Pages:
         areas.remove(area)
         if not areas:
             del self._areas[(area.owner, area.page_size)]
-        spares = self._spares.get(area.owner[0], {})
-        spares.pop(area.id, None)
-        if not spares:
-            self._spares.pop(area.owner[0], None)
+        self._spares.discard(area.owner[0], area.id)
         for pid in area.mappers:
-            of_pid = self._of_pid.get(pid, {})
-            of_pid.pop(area.id, None)
-            if not of_pid:
-                self._of_pid.pop(pid, None)
+            self._of_pid.discard(pid, area.id)
         area.area.close()
         self._fd_room.give()
         area.closed = True

@@ -93,11 +93,11 @@ def test_no_sequence_of_events_leaks_double_frees_or_hangs(events, name):
         assert {pid: {b.id for b in reg._sets.index.sets_of_pid(pid)} for pid in by_pid} == by_pid, \
             "a death looks at the sets its pid has a slot in: all of them"
         assert all(not reg._sets.index.sets_of_pid(pid) for pid in set(PIDS) - set(by_pid)), "and no stale one"
-        voters: dict[int, set] = {}
+        voters: dict[int, dict] = {}
         for key, agreement in reg.agreements.items():
             for rank, pid in agreement.pids.items():
                 if rank not in agreement.dead:
-                    voters.setdefault(pid, set()).add(key)
+                    voters.setdefault(pid, {})[key] = agreement
         assert reg._agreements.voting == voters, \
             "a death looks at the agreements its pid votes in: all of them, and none it left or that was dropped"
 
