@@ -50,11 +50,13 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .index import Index, tally
 from .sizes import human
 
 # Note [No free under a mapping]
@@ -148,9 +150,7 @@ class Chunk:
 
     def give_back(self, offset: int, size: int) -> None:
         """Return a range to the free list, merged with its free neighbours."""
-        at = 0
-        while at < len(self.free) and self.free[at][0] < offset:
-            at += 1
+        at = bisect.bisect_left(self.free, [offset])
         self.free.insert(at, [offset, size])
         if at + 1 < len(self.free) and offset + size == self.free[at + 1][0]:
             self.free[at][1] += self.free.pop(at + 1)[1]
@@ -179,17 +179,22 @@ class Arenas:
         self.cap_per_uid = cap_per_uid
         self.idle_s = idle_s
         self.chunks: dict[int, Chunk] = {}
+        # kept as chunks come and go, so a placement, a cap check or a death costs the same however many
+        # chunks other uids keep
+        self._shared: Index[tuple[int | None, str, int], int, Chunk] = Index()  # (uid, device, flags) -> its
+        # shared chunks, oldest first
+        self._reserved: dict[int | None, int] = {}  # uid -> bytes of its chunks
+        self._mapped: Index[int, int, Chunk] = Index()  # pid -> the shared chunks it was handed
         self._ids = itertools.count(1)
 
     def reserved(self, uid: int | None) -> int:
-        return sum(c.size for c in list(self.chunks.values()) if c.uid == uid)
+        return self._reserved.get(uid, 0)
 
     def place(self, nbytes: int, device: str, flags: int, uid: int | None) -> Placement:
         """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
         size = align(nbytes)
         if size <= self.chunk_bytes:
-            shared = [c for c in list(self.chunks.values()) if c.uid == uid and c.device == device
-                      and c.flags == flags and not c.dedicated and self._usable(c)]
+            shared = [c for c in self._shared.get((uid, device, flags), {}).values() if self._usable(c)]
             for settle in (False, True):  # ranges ready now first; those still zeroing only when nothing else fits
                 for chunk in shared:
                     if settle and chunk.zeroing:
@@ -245,20 +250,27 @@ class Arenas:
         handle, token = self._source.allocate_chunk(size, device, flags, uid=uid)
         chunk = Chunk(next(self._ids), uid, device, flags, size, handle, token, dedicated, free=[[0, size]])
         self.chunks[chunk.id] = chunk
+        tally(self._reserved, uid, size)
+        if not dedicated:
+            self._shared.add((uid, device, flags), chunk.id, chunk)
         return chunk
 
     def handed(self, placements: list[Placement], pids: list[int]) -> None:
         """These processes were handed these buffers' chunks and may map them until they exit."""
         if self._source.free_needs_unmapped:
             for placement in placements:
-                if not placement.chunk.dedicated:
-                    placement.chunk.mappers.update(pids)
+                chunk = placement.chunk
+                if not chunk.dedicated:
+                    chunk.mappers.update(pids)
+                    for pid in pids:
+                        self._mapped.add(pid, chunk.id, chunk)
 
     def process_gone(self, pid: int, now: float) -> list[Chunk]:
         """A process exited, and its mappings with it; the chunks that could go back now and did."""
-        for chunk in self.chunks.values():
+        mapped = self._mapped.pop(pid, {}).values()
+        for chunk in mapped:
             chunk.mappers.discard(pid)
-        return self.sweep(now)
+        return self._free_idle(mapped, now)
 
     def forsake(self, chunk: Chunk) -> None:
         """The backend could not give the chunk's memory after all (a reservation off the loop failed):
@@ -287,8 +299,10 @@ class Arenas:
 
     def sweep(self, now: float) -> list[Chunk]:
         """Free the chunks empty for ``idle_s`` or longer; those freed."""
-        idle = [c for c in self.chunks.values()
-                if c.empty_since is not None and now - c.empty_since >= self.idle_s and not c.mappers]
+        return self._free_idle(self.chunks.values(), now)
+
+    def _free_idle(self, chunks, now: float) -> list[Chunk]:
+        idle = [c for c in chunks if c.empty_since is not None and now - c.empty_since >= self.idle_s and not c.mappers]
         for chunk in idle:
             self._drop(chunk)
         return idle
@@ -307,6 +321,10 @@ class Arenas:
 
     def _drop(self, chunk: Chunk) -> None:
         del self.chunks[chunk.id]
+        tally(self._reserved, chunk.uid, -chunk.size)
+        self._shared.discard((chunk.uid, chunk.device, chunk.flags), chunk.id)
+        for pid in chunk.mappers:
+            self._mapped.discard(pid, chunk.id)
         self._source.free_chunk(chunk.token)
 
     def usage(self) -> list[dict[str, Any]]:

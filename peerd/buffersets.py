@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.allocation import Allocation
-from .index import Index
+from .index import Index, tally
 from .outbox import Caller
 from .protocol import ProtocolError
-from .quotas import tally
 from .rounds import Round
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from .quotas import tally
+from .index import tally
 
 log = logging.getLogger("peerd.metrics")
 

@@ -15,8 +15,9 @@ linear time and bounded memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any
 
+from .index import tally
 from .sizes import human
 
 if TYPE_CHECKING:
@@ -44,13 +45,6 @@ class Limits:
     max_groups: int | None = 4096
     max_ranks: int | None = 1024
     max_groups_per_uid: int | None = 1024  # a share of max_groups: no one user can take every set
-
-
-def tally(table: dict[Any, int], key: Hashable, delta: int) -> None:
-    """Add to a tally; a key that reaches zero leaves the table, so nothing grows."""
-    table[key] = table.get(key, 0) + delta
-    if not table[key]:
-        del table[key]
 
 
 class Quotas:

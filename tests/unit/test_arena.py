@@ -1,6 +1,8 @@
 """The arena allocator's rules, against a chunk source that records what it was asked."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from peerd.arena import ALIGNMENT, Arenas, OverCap, align, describe_usage
 
@@ -296,3 +298,80 @@ def test_a_chunk_that_failed_unasked_is_forsaken_when_the_next_buffer_would_go_i
     with pytest.raises(RuntimeError, match="could not be reserved"):
         arenas.ready(b.chunk)  # a set asking: it hears the error, and the chunk takes nothing more
     assert b.chunk.forsaken and arenas.place(4096, "gpu0", 0, 1000).chunk is not b.chunk
+
+
+def test_a_forsaken_chunk_a_process_was_handed_leaves_nothing_kept_for_that_process(arenas, source):
+    """Its memory failed after its handles went out: it goes back with its last buffer, and the pid's
+    death later finds nothing of it."""
+    a = arenas.place(4096, "gpu0", 0, 1000)
+    arenas.handed([a], [7])
+    source.failed.add(a.chunk.token)
+    with pytest.raises(RuntimeError, match="could not be reserved"):
+        arenas.ready(a.chunk)
+    arenas.release(a, 0.0)
+    assert source.freed == [a.chunk.token] and arenas._mapped == {} and arenas._reserved == {}
+    assert arenas.process_gone(7, 100.0) == []
+
+arena_event = st.one_of(
+    st.tuples(st.just("place"), st.sampled_from([1, 3 * ALIGNMENT, CHUNK // 2, 2 * CHUNK]), st.sampled_from([1000, 2000]),
+              st.sampled_from(["gpu0", "gpu1"])),
+    st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("hand"), st.integers(0, 3), st.sampled_from([7, 8, 9])),
+    st.tuples(st.just("gone"), st.sampled_from([7, 8, 9])),
+    st.tuples(st.just("sync"), st.integers(0, 3)),
+    st.tuples(st.just("wait"), st.floats(0, 20)),
+    st.tuples(st.just("trim")),
+    st.tuples(st.just("fail"), st.integers(0, 3)),  # the backend could not have its memory after all
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(arena_event, max_size=40))
+def test_no_sequence_leaks_a_chunk_overlaps_a_range_or_leaves_a_stale_index(events):
+    """What is kept by uid and by pid, so that a placement, a cap check or a death looks at its own chunks
+    alone, is exactly what a walk over every chunk would find, after every event."""
+    source = Source()
+    arenas = Arenas(source, CHUNK, idle_s=10)
+    placed, now = [], 0.0
+
+    def check():
+        shared, reserved, mapped = {}, {}, {}
+        for c in arenas.chunks.values():
+            reserved[c.uid] = reserved.get(c.uid, 0) + c.size
+            if not c.dedicated:
+                shared.setdefault((c.uid, c.device, c.flags), {})[c.id] = c
+            for pid in c.mappers:
+                mapped.setdefault(pid, {})[c.id] = c
+            spans = sorted([*c.used.items(), *map(tuple, c.free), *c.zeroing])
+            assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), f"overlapping ranges in {c.id}"
+        assert arenas._shared == shared and arenas._reserved == reserved and arenas._mapped == mapped
+        assert set(source.memory) == {c.token for c in arenas.chunks.values()}, "a chunk freed, or forgotten"
+
+    for ev in events:
+        kind = ev[0]
+        if kind == "place":
+            placed.append(arenas.place(ev[1], ev[3], 0, ev[2]))
+        elif kind == "release" and ev[1] < len(placed):
+            arenas.release(placed.pop(ev[1]), now)
+        elif kind == "hand" and ev[1] < len(placed):
+            arenas.handed([placed[ev[1]]], [ev[2]])
+        elif kind == "gone":
+            arenas.process_gone(ev[1], now)
+        elif kind == "sync" and ev[1] < len(placed):
+            source.sync(placed[ev[1]].chunk.token)
+        elif kind == "wait":
+            now += ev[1]
+            arenas.sweep(now)
+        elif kind == "trim":
+            arenas.trim()
+        elif kind == "fail" and ev[1] < len(placed):
+            source.failed.add(placed[ev[1]].chunk.token)
+            with pytest.raises(RuntimeError):
+                arenas.ready(placed[ev[1]].chunk)
+        check()
+    for p in placed:
+        arenas.release(p, now)
+    for pid in (7, 8, 9):
+        arenas.process_gone(pid, now)
+    arenas.sweep(now + 100)
+    assert arenas.chunks == {} and source.memory == {} and arenas._reserved == {} and arenas._mapped == {}
