@@ -93,9 +93,10 @@ class Registry:
             holders.setdefault((entry["uid"], entry["group"]), set()).update(entry["holders"].values())
         return out + self._agreements.evict(group, uid, holders), evicted
 
-    def memory_ready(self, now: float) -> Outbox:
-        """The backend has memory ready that was not: the sets waiting for it open (or fail)."""
-        return self._sets.memory_ready(now)
+    def memory_ready(self, now: float, handles: list[bytes]) -> Outbox:
+        """The backend has memory ready that was not, in the chunks of these handles: the sets waiting for
+        it open (or fail)."""
+        return self._sets.memory_ready(now, handles)
 
     def process_died(self, pid: int, now: float) -> Outbox:
         """A client process is gone: fail what waits on it, drop what it held."""

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from .backends.allocation import Allocation
 from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
+from .index import Index
 from .pages import LEAVE_GRACE_S, NoPages, Pages
 from .credentials import Credentials
 from .outbox import Caller, Outbox, Send, refuse
@@ -67,7 +68,8 @@ class Rendezvous:
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._allocate = allocate
         self._ready = ready
-        self._unready: dict[int, BufferSet] = {}  # id -> a set every rank joined whose memory is not ready yet
+        self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
+        # that wait for memory there: a chunk's readiness asks those alone
         self._free = free
         self._handed = handed
         self._timers = timers
@@ -149,19 +151,25 @@ class Rendezvous:
         """Every rank joined: open the set once the memory of every rank is ready (a backend may still
         reserve it off the loop: ``memory_ready`` comes back here), or fail it where some never will be."""
         try:
-            waiting = [s.rank for s in bset.slots.values() if not self._ready(s.allocation)]
+            waiting = {s.allocation.handle for s in bset.slots.values() if not self._ready(s.allocation)}
         except ProtocolError as err:
             return self._fail(bset, err.code, f"{bset.label}: {err.message}", now=now)
-        if waiting:
-            self._unready[bset.id] = bset
-            return []
-        self._unready.pop(bset.id, None)
-        return self._open(bset)
+        self._unwait(bset)
+        for handle in waiting:
+            self._unready.add(handle, bset.id, bset)
+        return [] if waiting else self._open(bset)
 
-    def memory_ready(self, now: float) -> Outbox:
-        """The backend has memory ready that was not: open (or fail) the sets that waited for it."""
+    def _unwait(self, bset: BufferSet) -> None:
+        for s in bset.slots.values():
+            if s.allocation is not None:  # freed already: the set waits for nothing
+                self._unready.discard(s.allocation.handle, bset.id)
+
+    def memory_ready(self, now: float, handles: list[bytes]) -> Outbox:
+        """The backend has memory ready that was not, in the chunks of ``handles``: open (or fail) the
+        sets that waited for it there."""
+        waiting = {bset.id: bset for handle in handles for bset in self._unready.get(handle, {}).values()}
         out: Outbox = []
-        for bset in list(self._unready.values()):
+        for bset in waiting.values():
             out += self._open_when_ready(bset, now)
         return out
 
@@ -274,7 +282,7 @@ class Rendezvous:
         """Fail a set for every rank waiting on it (and ``extra`` callers). See Note [Failure verdicts are kept]."""
         error = ProtocolError(code, message)
         log.warning("%s failed: %s", bset.label, message)
-        self._unready.pop(bset.id, None)
+        self._unwait(bset)
         out = [Send(c, error=error) for c in extra]
         if bset.state is State.JOINING:
             # nobody has the handles yet, so nobody can have mapped the memory

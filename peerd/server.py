@@ -292,9 +292,7 @@ class Daemon:
             self.backend.process_gone(pid)
             self.pages.process_gone(pid)
         if self.backend.ready_fd is not None and self.backend.ready_fd in events:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self.backend.ready_fd, 4096)
-            out += self.registry.memory_ready(now)
+            out += self.registry.memory_ready(now, self.backend.woken())
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
         self._fd_channel.serve(events, now)

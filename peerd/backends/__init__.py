@@ -74,8 +74,13 @@ class MemoryBackend(ABC):
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """A zero-filled buffer of at least nbytes for processes of ``uid``; AllocationFailed or UnknownDevice when impossible."""
 
-    #: readable when memory that was not ``ready`` may be now (then call ``ready`` again); None: always ready
+    #: readable when memory that was not ``ready`` may be now (then ask ``woken`` which); None: always ready
     ready_fd: int | None = None
+
+    def woken(self) -> list[bytes]:
+        """Drain ``ready_fd``: the handles of the chunks whose memory may be ready now (ask ``ready`` again
+        for the buffers in them)."""
+        return []
 
     def ready(self, allocation: Allocation) -> bool:
         """Whether the buffer's memory may be handed out yet (a backend may still reserve it off the
@@ -139,6 +144,10 @@ class ChunkMemory(ABC):
 
     #: readable when a chunk that was not ``ready`` may be now; None where every chunk is ready at once
     ready_fd: int | None = None
+
+    def woken(self) -> list[bytes]:
+        """Drain ``ready_fd``: the handles of the chunks that may be ``ready`` now."""
+        return []
 
     def ready(self, token: Any, span: tuple[int, int] | None = None) -> bool:
         """Whether a chunk (or its range ``span``, where ``ready_per_range``) may be handed out yet (it may

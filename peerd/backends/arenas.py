@@ -70,6 +70,9 @@ class ArenaMemory(MemoryBackend):
     def ready_fd(self) -> int | None:
         return self.chunks.ready_fd
 
+    def woken(self) -> list[bytes]:
+        return self.chunks.woken()
+
     def ready(self, allocation: Allocation) -> bool:
         placement: Placement = allocation.token
         with self._lock:

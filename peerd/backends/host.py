@@ -93,7 +93,8 @@ class Memory(ChunkMemory):
         try:
             os.ftruncate(fd, nbytes)  # zero-filled; reserved off the loop
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            return os.urandom(HANDLE_BYTES), self._reserver.reserve(fd, nbytes, uid)
+            handle = os.urandom(HANDLE_BYTES)
+            return handle, self._reserver.reserve(fd, nbytes, uid, handle)
         except Exception as err:  # OSError, or no thread could be started to reserve it
             os.close(fd)
             self._closed()
@@ -131,6 +132,9 @@ class Memory(ChunkMemory):
 
     def ready(self, token: Reservation, span: tuple[int, int] | None = None) -> bool:
         return self._reserver.ready(token, span)
+
+    def woken(self) -> list[bytes]:
+        return [reservation.handle for reservation in self._reserver.woken()]
 
     def zero(self, token: Reservation, offset: int, nbytes: int) -> None:
         """Off the loop: the range's pages punched out (they read zero), then reserved again."""

@@ -22,7 +22,8 @@ close is reported (``closed``: the daemon's fd room gets its place back).
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
 reserved again. The daemon's loop is woken through ``wake_fd`` each time a
 chunk's reservation ends (reserved, failed or stopped) and each time a
-chunk has no range left to zero (or one failed), and ``ready`` says, for a range, whether it may be handed
+chunk has no range left to zero (or one failed); ``woken`` names those chunks, so the loop asks
+only the sets waiting on them, and ``ready`` says, for a range, whether it may be handed
 out: nothing on the loop ever waits for these threads. Ranges that could
 not be reserved again fail the set that asks for one of them (the memory
 was short), and are zeroed once more from then on, so the next set handed
@@ -141,6 +142,7 @@ class Reservation:
     fd: int
     nbytes: int
     uid: int | None
+    handle: bytes = b""  # the chunk's, as ``woken`` names it to the loop
     reserved: int = 0
     error: AllocationFailed | None = None  # the reservation failed: the whole chunk is lost
     zeroing: Ranges = field(default_factory=Ranges)  # freed ranges still to punch out and reserve again
@@ -171,6 +173,7 @@ class Reserver:
         self._pending = 0
         self._stopping = False
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._woken: list[Reservation] = []  # chunks whose work ended since the loop last asked
         self._threads: list[threading.Thread] = []  # started with the first reservation
 
     @property
@@ -178,8 +181,8 @@ class Reserver:
         """Bytes still to reserve: memory promised that MemAvailable does not show as taken yet."""
         return self._pending
 
-    def reserve(self, fd: int, nbytes: int, uid: int | None) -> Reservation:
-        reservation = Reservation(fd, nbytes, uid)
+    def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes = b"") -> Reservation:
+        reservation = Reservation(fd, nbytes, uid, handle)
         with self._lock:
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < THREADS:
@@ -295,7 +298,7 @@ class Reserver:
                         reservation.unzeroed.add(offset, offset + size)
                     reservation.unzeroed_error = error
                 if error is not None or not reservation.zeroing.total:
-                    self._wake()  # once the chunk's zeroing is done (or failed), not each step: every wake-up
+                    self._wake(reservation)  # once the chunk's zeroing is done (or failed), not each step: every wake-up
                     # has the loop ask every set waiting for memory
         elif not reservation.freed:
             if error is None:
@@ -305,7 +308,7 @@ class Reserver:
                 reservation.error = error  # before any wake-up: a failed chunk never reads as reserved
                 self._pending -= reservation.nbytes - reservation.reserved
             if reservation.finished:
-                self._wake()
+                self._wake(reservation)
         if reservation.freed:
             self._closes.append(reservation.fd)
             self._lock.notify()
@@ -342,7 +345,19 @@ class Reserver:
             self._turns[uid] = waiting
         return reservation
 
-    def _wake(self) -> None:
-        """Tell the daemon's loop some memory may be ready now (under the lock)."""
-        with contextlib.suppress(OSError):  # a full pipe is readable already
-            os.write(self._wake_w, b"\0")
+    def _wake(self, reservation: Reservation) -> None:
+        """Tell the daemon's loop this chunk's memory may be ready now (under the lock): one byte until it
+        asks which (``woken``), however many chunks end meanwhile."""
+        self._woken.append(reservation)
+        if len(self._woken) == 1:
+            with contextlib.suppress(OSError):  # a full pipe is readable already
+                os.write(self._wake_w, b"\0")
+
+    def woken(self) -> list[Reservation]:
+        """The chunks whose reservation or zeroing ended (or failed) since the last call; ``wake_fd`` drained
+        first, so a chunk that ends meanwhile wakes the loop again."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.wake_fd, 4096)
+        with self._lock:
+            woken, self._woken = self._woken, []
+        return woken

@@ -118,19 +118,21 @@ def stepped(monkeypatch):
 
 def test_host_chunks_are_reserved_off_the_caller_and_a_failed_reservation_says_why(monkeypatch):
     """posix_fallocate of a big chunk takes seconds: the host backend runs it on its threads, wakes
-    ``ready_fd`` once each chunk is done, and ``ready`` then says yes, or raises the reason."""
+    ``ready_fd`` once each chunk is done, ``woken`` names it, and ``ready`` then says yes, or raises the
+    reason."""
     kernel = HeldKernel(monkeypatch, fail_fd_size=3 << 20)
     memory = host.Memory()
     try:
-        _, fine = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
-        _, short = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
+        fine_handle, fine = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
+        short_handle, short = memory.allocate_chunk(3 << 20, host.DEVICE, 0)
         assert not memory.ready(fine) and not memory.ready(short), "allocate_chunk returned before the reservation"
         assert not select.select([memory.ready_fd], [], [], 0)[0], "nothing to wake the loop for yet"
         kernel.allow()
-        woken, until = b"", time.monotonic() + 10
+        woken, until = [], time.monotonic() + 10
         while len(woken) < 2 and select.select([memory.ready_fd], [], [], until - time.monotonic())[0]:
-            woken += os.read(memory.ready_fd, 4096)
-        assert woken == b"\0\0", "the loop is woken once per chunk, after its reservation ended"
+            woken += memory.woken()
+        assert sorted(woken) == sorted([fine_handle, short_handle]), "each chunk named once its reservation ended"
+        assert not select.select([memory.ready_fd], [], [], 0)[0] and memory.woken() == [], "and only once"
         assert memory.ready(fine) and os.fstat(fine.fd).st_blocks * 512 >= 2 << 20, "its pages are really there"
         with pytest.raises(AllocationFailed, match="cannot reserve 3145728 bytes of shared memory: .*No space left"):
             memory.ready(short)
@@ -171,15 +173,15 @@ def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_reads_ready
     it is done; the loop is woken once the chunk has nothing left to zero. Then the range reads zero, pages there, the rest of the chunk untouched.
     Only the bytes a step has punched out count as pending: the rest are still in use."""
     kernel, memory = stepped
-    _, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
+    handle, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
     kernel.allow(4)
     wait_for(lambda: memory.ready(chunk))
-    os.read(memory.ready_fd, 4096)
+    assert memory.woken() == [handle], "reserved"
     with mmap.mmap(chunk.fd, 4 << 20) as view:
         view[:] = b"\xff" * (4 << 20)
         memory.zero(chunk, 1 << 20, 1 << 20)
         memory.zero(chunk, 2 << 20, 1 << 20)  # its neighbour: one range to zero
-        _, other = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
+        other_handle, other = memory.allocate_chunk(1 << 20, host.DEVICE, 0, uid=2000)
         wait_for(lambda: chunk.stepping)
         assert memory._reserver.pending == (1 << 20) + (1 << 20), "the other chunk, and the step punched out"
         assert not memory.ready(chunk, (1 << 20, 4096)) and not memory.ready(chunk, ((3 << 20) - 4096, 4096))
@@ -190,6 +192,7 @@ def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_reads_ready
         kernel.allow(2)
         wait_for(lambda: memory.ready(chunk, (1 << 20, 2 << 20)))
         assert select.select([memory.ready_fd], [], [], 0)[0], "the loop is woken once the chunk's zeroing is done"
+        assert sorted(memory.woken()) == sorted([other_handle, handle]), "told which: the other one reserved, this one zeroed"
         assert [(size, offset) for size, offset, _ in kernel.calls[4:]] == [
             (4 << 20, 1 << 20), (1 << 20, 0), (4 << 20, 2 << 20)], "a step each, the uids in turn"
         assert view[1 << 20:3 << 20] == bytes(2 << 20)

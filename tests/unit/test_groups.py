@@ -219,14 +219,32 @@ def slow():
 def test_a_set_opens_only_once_every_ranks_memory_is_ready(slow):
     mem, reg = slow
     join(reg, 0)
-    assert join(reg, 1) == [] and reg.memory_ready(0.1) == [], "every rank in, the memory not yet reserved"
+    assert join(reg, 1) == [] and reg.memory_ready(0.1, [b"h1", b"h2"]) == [], "every rank in, the memory not yet reserved"
     mem.reserved.add(b"h1")
-    assert reg.memory_ready(0.2) == [], "rank 1's memory is still being reserved"
+    assert reg.memory_ready(0.2, [b"h1"]) == [], "rank 1's memory is still being reserved"
     mem.reserved.add(b"h2")
-    opened = bodies(reg.memory_ready(0.3))
+    opened = bodies(reg.memory_ready(0.3, [b"h2"]))
     assert set(opened) == {("c", 0), ("c", 1)} and opened[("c", 0)]["handles"] == [b"h1", b"h2"]
-    assert reg.memory_ready(0.4) == [], "opened once"
+    assert reg.memory_ready(0.4, [b"h1", b"h2"]) == [], "opened once"
 
+
+
+def test_a_chunk_that_turns_ready_asks_only_the_sets_waiting_on_it(slow):
+    """The backend names the chunks whose memory may be ready: a set waiting on another chunk is not
+    asked, however many sets wait, so a user with many sets waiting costs no one else's wake-up."""
+    mem, reg = slow
+    join(reg, 0)
+    join(reg, 1)  # set "n": h1, h2
+    join(reg, 0, name="m")
+    join(reg, 1, name="m")  # set "m": h3, h4
+    mem.reserved |= {b"h1", b"h2", b"h3", b"h4"}
+    asked = []
+    ready = reg._sets._ready
+    reg._sets._ready = lambda allocation: asked.append(allocation.handle) or ready(allocation)
+    assert set(bodies(reg.memory_ready(0.1, [b"h3"]))) == {("c", 0), ("c", 1)}
+    assert sorted(asked) == [b"h3", b"h4"], "only the set waiting on h3 was asked"
+    assert set(bodies(reg.memory_ready(0.2, [b"h1", b"h2", b"h9"]))) == {("c", 0), ("c", 1)}
+    assert reg._sets._unready == {}, "no set waits any more"
 
 def test_a_second_claim_on_a_rank_of_a_set_waiting_for_its_memory_is_refused_alone(slow):
     """Every rank joined and the memory is still being reserved: a straggler claiming a taken rank, even
@@ -237,7 +255,7 @@ def test_a_second_claim_on_a_rank_of_a_set_waiting_for_its_memory_is_refused_alo
     straggler = errors(join(reg, 0, pid=999, nbytes=128))[("c", 0)]
     assert straggler.code is ErrorCode.RANK_TAKEN and "already joined by pid 100" in straggler.message
     mem.reserved |= {b"h1", b"h2"}
-    assert set(bodies(reg.memory_ready(0.1))) == {("c", 0), ("c", 1)}
+    assert set(bodies(reg.memory_ready(0.1, [b"h1", b"h2"]))) == {("c", 0), ("c", 1)}
 
 
 def test_memory_that_could_not_be_reserved_fails_the_set_for_every_rank_and_is_freed(slow):
@@ -245,10 +263,10 @@ def test_memory_that_could_not_be_reserved_fails_the_set_for_every_rank_and_is_f
     join(reg, 0)
     join(reg, 1)
     mem.failed[b"h2"] = ProtocolError(ErrorCode.ALLOCATION_FAILED, "cannot reserve 64 bytes: No space left")
-    failed = errors(reg.memory_ready(0.1))
+    failed = errors(reg.memory_ready(0.1, [b"h2"]))
     assert set(failed) == {("c", 0), ("c", 1)} and {e.code for e in failed.values()} == {ErrorCode.ALLOCATION_FAILED}
     assert "cannot reserve 64 bytes: No space left" in failed[("c", 0)].message and mem.live == {}
-    assert reg.memory_ready(0.2) == [], "a failed set waits for nothing"
+    assert reg.memory_ready(0.2, [b"h1", b"h2"]) == [], "a failed set waits for nothing"
 
 
 def test_a_set_waiting_for_its_memory_fails_on_a_death_or_its_timeout_and_is_forgotten(slow):
@@ -259,7 +277,7 @@ def test_a_set_waiting_for_its_memory_fails_on_a_death_or_its_timeout_and_is_for
     assert died[("c", 0)].code is ErrorCode.RANK_DIED and "died before its set's memory was ready" in \
         died[("c", 0)].message, died
     mem.reserved.update({b"h1", b"h2"})
-    assert reg.memory_ready(1.1) == [] and mem.live == {}, "the dead set does not open"
+    assert reg.memory_ready(1.1, [b"h1", b"h2"]) == [] and mem.live == {}, "the dead set does not open"
     join(reg, 0, name="other", now=2.0)
     join(reg, 1, name="other", now=2.0)
     timed_out = errors(reg.expire(12.0))
