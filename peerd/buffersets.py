@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .backends.allocation import Allocation
-from .index import Index, tally
+from .index import Index
 from .outbox import Caller
 from .protocol import ProtocolError
 from .rounds import Round
@@ -152,8 +152,10 @@ class SetIndex:
         self.current: dict[tuple[int | None, str, str], BufferSet] = {}  # the current set of each (uid, group, name)
         self.retired: dict[int, BufferSet] = {}  # superseded sets still held by some rank
         self._by_group: dict[tuple[int | None, str], dict[int, BufferSet]] = {}  # current and retired, by id
-        self._of_uid: dict[int | None, int] = {}  # sets of each uid, current and retired: counted as they
-        # come and go, so a new set's limit check costs nothing however many sets the daemon keeps
+        self._of_uid: Index[int | None, int, BufferSet] = Index()  # sets of each uid, current and retired, as
+        # they come and go: a new set's limit check, or a user's `ls`, costs nothing for other users' sets
+        self.ranks_held = 0  # ranks holding a set, over every set; kept as slots are taken and let go,
+        self.sets_held = 0  # and the sets some rank holds: `peerd status` reads them, never a walk
         self._of_pid: Index[int, int, BufferSet] = Index()  # pid -> the sets it has a slot in, by id: a death
         # looks at those alone
 
@@ -163,7 +165,7 @@ class SetIndex:
         named = self._by_group.setdefault((bset.owner_uid, bset.group), {})
         if bset.id not in named:
             named[bset.id] = bset
-            tally(self._of_uid, bset.owner_uid, 1)
+            self._of_uid.add(bset.owner_uid, bset.id, bset)
 
     def retire(self, bset: BufferSet) -> None:
         """A new set takes the key; the old one lives until its last holder lets go. See Note [Retired sets]."""
@@ -182,8 +184,19 @@ class SetIndex:
 
     def take_slot(self, bset: BufferSet, slot: Slot) -> None:
         """``slot`` joins ``bset``, an indexed set."""
+        if slot.held:
+            self.sets_held += not bset.holding_slots()
+            self.ranks_held += 1
         bset.slots[slot.rank] = slot
         self._of_pid.add(slot.pid, bset.id, bset)
+
+    def let_go(self, bset: BufferSet, slot: Slot) -> None:
+        """``slot``'s rank no longer holds ``bset`` (released, died, failed before its handles went out,
+        evicted)."""
+        if slot.held:
+            slot.held = False
+            self.ranks_held -= 1
+            self.sets_held -= not bset.holding_slots()
 
     def sets_of_pid(self, pid: int) -> list[BufferSet]:
         """The indexed sets in which ``pid`` has a slot, held or not."""
@@ -192,7 +205,7 @@ class SetIndex:
     def _unindex(self, bset: BufferSet) -> None:
         named = self._by_group.get((bset.owner_uid, bset.group), {})
         if named.pop(bset.id, None) is not None:
-            tally(self._of_uid, bset.owner_uid, -1)
+            self._of_uid.discard(bset.owner_uid, bset.id)
             for slot in bset.slots.values():
                 self._of_pid.discard(slot.pid, bset.id)
         if not named:
@@ -200,11 +213,11 @@ class SetIndex:
 
     def size(self) -> int:
         """How many sets the index keeps, current and retired."""
-        return sum(self._of_uid.values())
+        return len(self.current) + len(self.retired)
 
     def size_of(self, uid: int | None) -> int:
         """How many of them are ``uid``'s."""
-        return self._of_uid.get(uid, 0)
+        return len(self._of_uid.get(uid, {}))
 
     def of_group(self, uid: int | None, group: str) -> list[BufferSet]:
         """Every set, current or retired, of one group of one uid's namespace."""
@@ -232,14 +245,6 @@ class SetIndex:
         }
 
     # ------------------------------------------------------------ counts and listing
-
-    def sets_held(self) -> int:
-        """Buffer sets some rank still holds: the ones a draining daemon waits for."""
-        return sum(1 for b in self.all() if b.holding_slots())
-
-    def ranks_holding(self) -> int:
-        """Ranks holding a set, over every set."""
-        return sum(len(b.holding_slots()) for b in self.all())
 
     def listing(self, now: float, uid: int | None, every: bool) -> list[dict[str, Any]]:
         """One entry per buffer set of ``uid``'s namespace (of every one if ``every``), sorted by group, name, uid."""
@@ -269,3 +274,4 @@ class SetIndex:
         self._by_group.clear()
         self._of_uid.clear()
         self._of_pid.clear()
+        self.ranks_held = self.sets_held = 0

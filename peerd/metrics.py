@@ -76,14 +76,12 @@ class _Gauges:
         sets = self._registry.all_sets()  # list() copies of dict values: atomic under the GIL
         by_state = GaugeMetricFamily("peerd_buffer_sets", "Buffer sets, by state", labels=["state"])
         counts: dict[str, int] = {}
-        held = 0
         for b in sets:
             counts[b.state.value] = counts.get(b.state.value, 0) + 1
-            held += sum(1 for s in list(b.slots.values()) if s.held)
         for state, n in sorted(counts.items()):
             by_state.add_metric([state], n)
         yield by_state
-        yield GaugeMetricFamily("peerd_ranks_held", "Ranks holding a buffer set", value=held)
+        yield GaugeMetricFamily("peerd_ranks_held", "Ranks holding a buffer set", value=self._registry.ranks_holding())
         by_device = GaugeMetricFamily("peerd_bytes_allocated", "Bytes allocated, by device", labels=["device"])
         for device, n in sorted(dict(self._registry.bytes_by_device).items()):
             by_device.add_metric([device], n)

@@ -134,11 +134,11 @@ class Registry:
 
     def sets_held(self) -> int:
         """Buffer sets some rank still holds."""
-        return self._sets.index.sets_held()
+        return self._sets.index.sets_held
 
     def ranks_holding(self) -> int:
         """Ranks holding a buffer set, over every set."""
-        return self._sets.index.ranks_holding()
+        return self._sets.index.ranks_held
 
     def sets_counted_toward_max_groups(self) -> int:
         """Buffer sets that count against --max-groups: all but failed ones nobody holds."""

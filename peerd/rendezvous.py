@@ -290,7 +290,8 @@ class Rendezvous:
                 if s.waiter is not None:
                     out.append(Send(s.waiter, error=error))
                     bset.told.add(s.rank)
-                s.waiter, s.held = None, False
+                s.waiter = None
+                self.index.let_go(bset, s)
             self._free_set(bset)
         elif bset.commit is not None and bset.commit.result is None:
             out += bset.commit.finish(False, message)
@@ -440,7 +441,7 @@ class Rendezvous:
     def _drop_hold(self, bset: BufferSet, slot: Slot, why: str, left_at: float | None = None) -> bool:
         """Drop one rank's hold; free the set once nobody holds it. True if freed. A rank that left
         (``left_at``) aborts its peers' page only if they still hold the set LEAVE_GRACE_S later."""
-        slot.held = False
+        self.index.let_go(bset, slot)
         if left_at is None:
             self.pages.hold_dropped(bset, slot, why)
         else:
@@ -493,7 +494,7 @@ class Rendezvous:
             self.pages.evicted(bset)  # kernels polling the abort word stop before the memory is freed
             out += self._fail(bset, ErrorCode.GROUP_FAILED, message, keep=False)  # forgotten just below
             for slot in bset.slots.values():
-                slot.held = False
+                self.index.let_go(bset, slot)
             self._free_set(bset)
             self._forget(bset)
             log.warning("%s of uid %s evicted; pids %s held it and may still touch the freed memory",
@@ -540,7 +541,7 @@ class Rendezvous:
                 if s.waiter is not None:
                     out.append(Send(s.waiter, error=error))
                     s.waiter = None
-                s.held = False
+                self.index.let_go(bset, s)
             if bset.commit is not None and bset.commit.result is None:
                 out += [Send(c, error=error) for c in bset.commit.waiters.values()]
                 bset.commit.waiters = {}
