@@ -246,27 +246,10 @@ class SetIndex:
 
     # ------------------------------------------------------------ counts and listing
 
-    def listing(self, now: float, uid: int | None, every: bool) -> list[dict[str, Any]]:
-        """One entry per buffer set of ``uid``'s namespace (of every one if ``every``), sorted by group, name, uid."""
-        shown = [b for b in self.all() if every or b.owner_uid == uid]
-        shown.sort(key=lambda b: (b.group, b.name, -1 if b.owner_uid is None else b.owner_uid, b.id))
-        return [
-            {
-                "group": b.group,
-                "uid": b.owner_uid,
-                "name": b.name,
-                "state": b.state.value,
-                "npes": b.npes,
-                "joined": sorted(b.slots),
-                "held": sorted(s.rank for s in b.holding_slots()),
-                "pids": {str(r): s.pid for r, s in sorted(b.slots.items())},
-                "nbytes": b.nbytes,
-                "bytes_allocated": sum(s.allocation.size for s in b.slots.values() if s.allocation),
-                "age_s": round(now - b.created, 3),
-                "failure": b.failure.message if b.failure else None,
-            }
-            for b in shown
-        ]
+    def visible_to(self, uid: int | None, every: bool) -> list[BufferSet]:
+        """The sets of ``uid``'s namespace (of every one if ``every``), by id: what its `ls` pages through."""
+        shown = self.all() if every else list(self._of_uid.get(uid, {}).values())
+        return sorted(shown, key=lambda b: b.id)
 
     def clear(self) -> None:
         self.current.clear()
@@ -275,3 +258,27 @@ class SetIndex:
         self._of_uid.clear()
         self._of_pid.clear()
         self.ranks_held = self.sets_held = 0
+
+
+def listing_position(bset: BufferSet) -> tuple:
+    """Where a set sorts in `ls`, and what a client's cursor names: group, name, owner uid."""
+    return bset.group, bset.name, -1 if bset.owner_uid is None else bset.owner_uid
+
+
+def listing_entry(bset: BufferSet, now: float) -> dict[str, Any]:
+    """What `ls` shows of a set."""
+    b = bset
+    return {
+        "group": b.group,
+        "uid": b.owner_uid,
+        "name": b.name,
+        "state": b.state.value,
+        "npes": b.npes,
+        "joined": sorted(b.slots),
+        "held": sorted(s.rank for s in b.holding_slots()),
+        "pids": {str(r): s.pid for r, s in sorted(b.slots.items())},
+        "nbytes": b.nbytes,
+        "bytes_allocated": sum(s.allocation.size for s in b.slots.values() if s.allocation),
+        "age_s": round(now - b.created, 3),
+        "failure": b.failure.message if b.failure else None,
+    }

@@ -2,31 +2,33 @@
 
 Entries sort by (group, name, owner uid); a client's cursor is the position
 of the last entry it received, so pages never repeat or skip a set however
-many users share a key.
+many users share a key. Only the page's entries are rendered: a user asking
+for `ls` in a loop costs the daemon a sort of its own sets' keys per page,
+not a description of every one of them.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import msgpack
 
-
-def position(entry: dict[str, Any]) -> tuple:
-    """Where a listing entry sorts, and what a client's `ls` cursor names: group, name, owner uid."""
-    return entry["group"], entry["name"], -1 if entry["uid"] is None else entry["uid"]
+T = TypeVar("T")
 
 
-def page(entries: list[dict[str, Any]], after: list | None, limit: int, max_bytes: int) -> tuple[list[dict], bool]:
-    """The entries after the cursor, at most ``limit`` of them and about ``max_bytes`` packed; whether more follow."""
-    entries = sorted(entries, key=position)
-    start = 0 if after is None else bisect.bisect_right(entries, tuple(after), key=position)
+def page(things: list[T], position: Callable[[T], tuple], render: Callable[[T], dict[str, Any]],
+         after: list | None, limit: int, max_bytes: int) -> tuple[list[dict], bool]:
+    """The rendered entries after the cursor, at most ``limit`` of them and about ``max_bytes`` packed; whether
+    more follow. ``position`` is where a thing sorts (and what a cursor names); ties keep their order."""
+    things = sorted(things, key=position)
+    start = 0 if after is None else bisect.bisect_right(things, tuple(after), key=position)
     shown: list[dict] = []
     size = 0
-    for entry in entries[start:start + limit]:
+    for thing in things[start:start + limit]:
+        entry = render(thing)
         size += len(msgpack.packb(entry, use_bin_type=True))
         if shown and size > max_bytes:
             break
         shown.append(entry)
-    return shown, start + len(shown) < len(entries)
+    return shown, start + len(shown) < len(things)

@@ -21,11 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 from .agreements import Agreement, Agreements
-from .buffersets import BufferSet
+from .buffersets import BufferSet, listing_entry, listing_position
 from .credentials import Credentials
 from .outbox import Caller, Outbox
 from .pages import NoPages, Pages
-from .protocol import DEFAULT_DEADLINE_S, ErrorCode, ProtocolError
+from .paging import page
+from .protocol import DEFAULT_DEADLINE_S, LS_PAGE_BYTES, MAX_LS_PAGE, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
 from .rendezvous import Allocate, Free, Handed, Ready, Rendezvous
 from .timers import Timers, Waits
@@ -124,13 +125,20 @@ class Registry:
 
     # ------------------------------------------------------------ inspection (status, health, metrics, ls)
 
-    def listing(self, now: float, uid: int | None) -> list[dict[str, Any]]:
-        """What `peerd ls` shows ``uid``: one entry per buffer set of its namespace
-        (of every namespace for an administrator), sorted by group, name and uid."""
-        return self._sets.index.listing(now, uid, every=uid in self.admins)
+    def listing(self, now: float, uid: int | None, after: list | None = None, limit: int = MAX_LS_PAGE,
+                max_bytes: int = LS_PAGE_BYTES) -> tuple[list[dict[str, Any]], bool]:
+        """One page of what `peerd ls` shows ``uid``, after the cursor ``after`` (peerd.paging): an entry per
+        buffer set of its namespace (of every namespace for an administrator), sorted by group, name and uid;
+        whether more follow."""
+        shown = self._sets.index.visible_to(uid, every=uid in self.admins)
+        return page(shown, listing_position, lambda b: listing_entry(b, now), after, limit, max_bytes)
 
     def all_sets(self) -> list[BufferSet]:
         return self._sets.index.all()
+
+    def set_count(self) -> int:
+        """Buffer sets kept, current and retired (failed ones kept as verdicts too)."""
+        return self._sets.index.size()
 
     def sets_held(self) -> int:
         """Buffer sets some rank still holds."""

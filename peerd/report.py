@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Any
 
 from . import __version__
 from .backends import MemoryBackend
-from .health import NEARLY, problems
+from .health import NEARLY, Stuck, problems
 from .protocol import VERSION
 from .registry import Registry
 
@@ -36,8 +35,10 @@ def hello(registry: Registry, backend: MemoryBackend, instance: int) -> dict[str
     }
 
 
-def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: int, loop: dict[str, Any]) -> dict[str, Any]:
-    """What `peerd status` shows ``viewer``; ``loop`` holds the serving loop's own facts (connections, drain).
+def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: int, loop: dict[str, Any],
+           stuck: list[Stuck]) -> dict[str, Any]:
+    """What `peerd status` shows ``viewer``; ``loop`` holds the serving loop's own facts (connections, drain),
+    ``stuck`` the stuck sets its last walk found (peerd.health.StuckSets).
 
     Another user's groups, connection counts and arena chunks show only to administrators.
     """
@@ -46,7 +47,7 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
     if viewer not in registry.admins:  # who else is connected, and holds what, is the administrators' business
         loop = {**loop, "connections": {**connections, "top_uids": [e for e in connections["top_uids"] if e[0] == viewer]}}
         devices = [{**d, "arenas": [a for a in d.get("arenas", []) if a["uid"] == viewer]} for d in devices]
-    found = problems(registry, devices, time.monotonic(), viewer)
+    found = problems(registry, devices, stuck, viewer)
     if connections["open"] >= NEARLY * connections["max"]:
         found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
     if len(found) > MAX_PROBLEMS_SHOWN:
@@ -58,7 +59,7 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
         **loop,
         "limits": dataclasses.asdict(registry.limits),
         "devices": devices,
-        "groups": len(registry.all_sets()),
+        "groups": registry.set_count(),
         "ranks_held": registry.ranks_holding(),
         "bytes_allocated": sum(registry.bytes_by_device.values()),
         "agreements_pending": len(registry.agreements),

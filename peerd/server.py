@@ -30,9 +30,9 @@ from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
 from .fdchannel import FdChannelServer
 from .fdroom import FdRoom, room_within
 from .handout import member_fds
+from .health import StuckSets
 from .outbox import Outbox, Send
 from .pages import Pages
-from .paging import page
 from .registry import Registry
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
@@ -118,6 +118,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
+        self._stuck = StuckSets()  # the stuck sets status reports, found by one walk a second at most
         self._handlers = {name: self._handler(op) for name, op in OPS.items()}
 
     # ------------------------------------------------------------ lifecycle
@@ -228,7 +229,7 @@ class Daemon:
         self._notifier.reloaded(self._summary())
 
     def _summary(self) -> str:
-        sets, held = len(self.registry.all_sets()), self.registry.ranks_holding()
+        sets, held = self.registry.set_count(), self.registry.ranks_holding()
         return f"serving {self.socket_path} ({self.backend.name}): {sets} buffer set(s), {held} rank(s) held"
 
     def shutdown(self) -> None:
@@ -430,7 +431,7 @@ class Daemon:
 
     def _serve_ls(self, caller: Route, who: Credentials, body: dict) -> Outbox:
         """One page of the caller's buffer sets after its cursor (peerd.paging)."""
-        shown, more = page(self.registry.listing(time.monotonic(), who.uid), body["after"], body["limit"], LS_PAGE_BYTES)
+        shown, more = self.registry.listing(time.monotonic(), who.uid, body["after"], body["limit"])
         return [Send(caller, {"groups": shown, "more": more})]
 
     def _serve_hello(self, caller: Route, who: Credentials, body: dict) -> Outbox:
@@ -448,7 +449,8 @@ class Daemon:
             "connections": self._guard.snapshot(),
             "replies_dropped": self._dropped.total,
         }
-        return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop))]
+        stuck = self._stuck.scan(self.registry, time.monotonic())
+        return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop, stuck))]
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """The registry's allocate."""

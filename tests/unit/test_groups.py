@@ -486,10 +486,32 @@ def test_listing_shows_admins_every_uid_and_others_their_own(mem):
     body = {"group": "g", "name": "n", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
     for uid, group in ((1001, "b"), (1000, "b"), (1000, "a")):
         reg.join((uid, group), who(uid, uid), {**body, "group": group}, 0.0)
-    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 0)] == [("a", 1000), ("b", 1000), ("b", 1001)]
-    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 42)] == [("a", 1000), ("b", 1000), ("b", 1001)]
-    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 1001)] == [("b", 1001)]
-    assert reg.listing(0.0, 7) == []
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 0)[0]] == [("a", 1000), ("b", 1000), ("b", 1001)]
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 42)[0]] == [("a", 1000), ("b", 1000), ("b", 1001)]
+    assert [(e["group"], e["uid"]) for e in reg.listing(0.0, 1001)[0]] == [("b", 1001)]
+    assert reg.listing(0.0, 7) == ([], False)
+    first, more = reg.listing(0.0, 0, limit=1)
+    assert [(e["group"], e["uid"]) for e in first] == [("a", 1000)] and more
+    rest, more = reg.listing(0.0, 0, after=["a", "n", 1000])
+    assert [(e["group"], e["uid"]) for e in rest] == [("b", 1000), ("b", 1001)] and not more
+
+
+def test_a_page_of_ls_describes_only_the_sets_it_shows(mem, monkeypatch):
+    """A user asking for `ls` in a loop costs the daemon a sort of its own sets' keys, not a description of
+    every set: only the page's entries are rendered, and other users' sets are not even looked at."""
+    from peerd import registry as registry_module
+
+    reg = Registry(mem.allocate, mem.free)
+    body = {"group": "g", "rank": 0, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    for uid in (1000, 2000):
+        for i in range(50):
+            reg.join((uid, i), who(uid, uid), {**body, "name": f"n{i:02}"}, 0.0)
+    rendered = []
+    entry = registry_module.listing_entry
+    monkeypatch.setattr(registry_module, "listing_entry", lambda b, now: rendered.append(b) or entry(b, now))
+    shown, more = reg.listing(0.0, 1000, limit=5)
+    assert [e["name"] for e in shown] == ["n00", "n01", "n02", "n03", "n04"] and more
+    assert len(rendered) == 5 and {b.owner_uid for b in rendered} == {1000}
 
 
 def test_evict_reaches_every_namespace_unless_a_uid_narrows_it(reg, mem):
@@ -648,7 +670,7 @@ def test_a_failing_free_does_not_strand_the_rest(reg, mem):
 
 def test_listing_shows_state_ranks_and_pids(reg):
     join(reg, 0, now=1.0)
-    (entry,) = reg.listing(3.5, None)
+    (entry,), _ = reg.listing(3.5, None)
     assert entry["state"] == "joining" and entry["joined"] == [0] and entry["pids"] == {"0": 100}
     assert entry["age_s"] == 2.5 and entry["bytes_allocated"] == 64
 

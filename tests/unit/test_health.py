@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from peerd.health import problems
+from peerd.health import SCAN_EVERY_S, StuckSets, problems
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory, who
 
@@ -23,11 +23,25 @@ def stuck_registry() -> Registry:
 def test_a_stuck_set_degrades_the_daemon_for_every_caller_but_names_it_only_to_its_owner_and_admins():
     reg = stuck_registry()
     for viewer in (None, 0, OWNER):
-        (problem,) = problems(reg, [], 100.0, viewer)
+        (problem,) = problems(reg, [], StuckSets().scan(reg, 100.0), viewer)
         assert "group=secret-job" in problem and "past its timeouts" in problem, (viewer, problem)
-    (hidden,) = problems(reg, [], 100.0, OTHER)
+    (hidden,) = problems(reg, [], StuckSets().scan(reg, 100.0), OTHER)
     assert hidden.startswith("a buffer set of another user has been joining") and "secret-job" not in hidden
 
 
 def test_nothing_is_a_problem_within_the_timeouts():
-    assert problems(stuck_registry(), [], 5.0, OTHER) == []
+    reg = stuck_registry()
+    assert problems(reg, [], StuckSets().scan(reg, 5.0), OTHER) == []
+
+
+def test_status_requests_in_a_loop_walk_the_sets_once_a_second():
+    """A user asking for status in a loop must not buy a walk over every user's sets each time: within
+    SCAN_EVERY_S the last walk answers, and the walk after it sees what changed."""
+    reg, stuck = stuck_registry(), StuckSets()
+    walks = []
+    all_sets = reg.all_sets
+    reg.all_sets = lambda: walks.append(1) or all_sets()
+    assert len(stuck.scan(reg, 100.0)) == 1
+    reg.process_died(4242, 100.1)  # the stuck set fails; nobody holds it
+    assert len(stuck.scan(reg, 100.0 + SCAN_EVERY_S / 2)) == 1 and len(walks) == 1, "the last walk answers"
+    assert stuck.scan(reg, 100.0 + SCAN_EVERY_S) == [] and len(walks) == 2, "a second later, a new walk"

@@ -19,7 +19,7 @@ class OneDevice:
 def status_for(viewer: int) -> dict:
     mem = FakeMemory()
     registry = Registry(mem.allocate, mem.free, admins=frozenset({0, 990}))
-    return report.status(registry, OneDevice(), 1, viewer, LOOP)
+    return report.status(registry, OneDevice(), 1, viewer, LOOP, [])
 
 
 def test_a_user_sees_only_its_own_connection_count():
