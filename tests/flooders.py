@@ -13,13 +13,16 @@ way), then keeps it up until it is killed:
            length allowed (protocol.MAX_KEY_CHARS), through one pipelined connection
   groups   holds --count one-rank buffer sets, each of a group of its own (a control page
            area each), through one pipelined connection; READY says how many got a page
-  chunks   holds one-rank 4 KiB sets of one group, one after another, until the daemon
+  chunks   holds one-rank --nbytes (4 KiB) sets of one group, one after another, until the daemon
            refuses one or --count are held; READY says how many it holds and the refusal
+  punch    the same with --nbytes sets, fetching each set's memfd over the fd channel and
+           punching its pages out (the memory then reads as available again) before the next
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import socket
@@ -153,10 +156,10 @@ def groups(args) -> None:
     hold()
 
 
-def chunks(args) -> None:
+def chunks(args, punch: bool = False) -> None:
     sock, ids, held, refusal = _dealer(args), iter(range(1, 2 * args.count + 1)), 0, None
     for i in range(args.count):
-        sock.send(request(next(ids), "join", {**_slot(i), "npes": 1, "nbytes": 4096, "device": "host"}))
+        sock.send(request(next(ids), "join", {**_slot(i), "npes": 1, "nbytes": args.nbytes, "device": "host"}))
         reply = msgpack.unpackb(sock.recv())
         if not reply["ok"]:
             refusal = reply["error"]
@@ -164,8 +167,27 @@ def chunks(args) -> None:
         sock.send(request(next(ids), "commit", {**_slot(i), "ok": True}))
         _expect_ok(sock, 1)
         held += 1
+        if punch:
+            _punch_out(args.socket + ".fd", _slot(i))
     ready(sets=held, refusal=refusal)
     hold()
+
+
+def _punch_out(fd_channel: str, slot: dict) -> None:
+    """Fetch the set's memfd as its member may (peerd.fdchannel's protocol) and give its pages back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+        conn.connect(fd_channel)
+        conn.send(msgpack.packb(slot, use_bin_type=True))
+        _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 8)
+    for fd in fds:
+        assert libc.fallocate(fd, 0x02 | 0x01, 0, os.fstat(fd).st_size) == 0, os.strerror(ctypes.get_errno())
+        os.close(fd)  # PUNCH_HOLE | KEEP_SIZE
+
+
+def punch(args) -> None:
+    chunks(args, punch=True)
 
 
 def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
@@ -178,7 +200,7 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
 
 
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks}
+         "chunks": chunks, "punch": punch}
 
 
 def main() -> None:
@@ -186,6 +208,7 @@ def main() -> None:
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("--socket", required=True)
     parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--nbytes", type=int, default=4096, help="each set's size (chunks, punch)")
     parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it first")
     args = parser.parse_args()
     if args.as_user:

@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, Placement
+from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, OverCap, Placement
 from ..fdroom import FdRoom
 from ..sizes import human
-from . import Allocation, ChunkMemory, MemoryBackend
+from . import Allocation, AllocationFailed, ChunkMemory, MemoryBackend
 
 log = logging.getLogger("peerd.arena")
 
@@ -60,8 +60,17 @@ class ArenaMemory(MemoryBackend):
             return self.arenas.usage()
 
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
+        """A buffer in a chunk of ``uid``'s; where no new chunk can be had, the empty chunks nobody maps (any
+        uid's, kept only to be used again) go back first and it is tried once more."""
         with self._lock:
-            placement = self.arenas.place(nbytes, device, flags, uid)
+            try:
+                placement = self.arenas.place(nbytes, device, flags, uid)
+            except (AllocationFailed, OverCap):
+                freed = self.arenas.trim()
+                if not freed:
+                    raise
+                self._log_freed(freed, "empty, and memory was short")
+                placement = self.arenas.place(nbytes, device, flags, uid)
         chunk = placement.chunk
         return Allocation(self.name, chunk.handle, placement.size, device, token=placement,
                           offset=placement.offset, chunk_size=chunk.size)

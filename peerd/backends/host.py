@@ -20,6 +20,17 @@ up front when it would leave less than ``HEADROOM_SHARE`` of that memory
 available (MemAvailable, and what the tightest limit on the daemon's cgroup
 or its parents still allows, less the reservations still running), with
 the numbers.
+
+MemAvailable alone is not enough: a member holds its chunk's memfd and may
+punch the pages out (the seals cannot forbid that without forbidding
+writes), so memory the daemon promised reads as available again, and the
+next zeroing of a freed range reserves it once more. A member punching and
+joining in turn made the daemon reserve more than its cgroup allowed, and
+the OOM killer took it. So the chunks the daemon keeps may together never
+promise more than the memory it may use less the headroom, whatever became
+of their pages (``promised``), and a freed range is reserved again only
+while the memory available, less the reservations under way, still leaves
+the headroom; else that range fails the set handed it, and is tried again.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ class Memory(ChunkMemory):
 
     def __init__(self) -> None:
         self._fd_room: FdRoom | None = None  # the daemon's, shared before the first chunk
-        self._reserver = Reserver(closed=self._closed)
+        self._reserver = Reserver(closed=self._closed, room=self._room_to_refill)
+        self.promised = 0  # bytes of the chunks kept, whatever became of their pages
         self.ready_fd = self._reserver.wake_fd
 
     def share_fd_room(self, room: FdRoom) -> None:
@@ -94,7 +106,9 @@ class Memory(ChunkMemory):
             os.ftruncate(fd, nbytes)  # zero-filled; reserved off the loop
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             handle = os.urandom(HANDLE_BYTES)
-            return handle, self._reserver.reserve(fd, nbytes, uid, handle)
+            reservation = self._reserver.reserve(fd, nbytes, uid, handle)
+            self.promised += nbytes
+            return handle, reservation
         except Exception as err:  # OSError, or no thread could be started to reserve it
             os.close(fd)
             self._closed()
@@ -118,7 +132,8 @@ class Memory(ChunkMemory):
             self._fd_room.give()
 
     def _check_room(self, nbytes: int) -> None:
-        """AllocationFailed where ``nbytes`` more would leave less than the headroom available."""
+        """AllocationFailed where ``nbytes`` more would promise more than the memory the daemon may use less
+        the headroom, or leave less than the headroom available."""
         limit, available = _memory_room()
         available -= self._reserver.pending
         headroom = int(limit * HEADROOM_SHARE)
@@ -128,6 +143,13 @@ class Memory(ChunkMemory):
                 f"available (MemAvailable, or the daemon's cgroup memory limit, less reservations under way), and "
                 f"the daemon leaves {human(headroom)} of {human(limit)} to everything else; release buffers or ask "
                 "for less"
+            )
+        if self.promised + nbytes > limit - headroom:
+            raise AllocationFailed(
+                f"cannot reserve {nbytes} bytes ({human(nbytes)}) of shared memory: the daemon's chunks already "
+                f"take {human(self.promised)} of the {human(limit - headroom)} it may promise ({human(limit)}, the "
+                f"machine's or its cgroup's memory, less {human(headroom)} left to everything else); release "
+                "buffers or ask for less"
             )
 
     def ready(self, token: Reservation, span: tuple[int, int] | None = None) -> bool:
@@ -144,7 +166,21 @@ class Memory(ChunkMemory):
         return token.fd
 
     def free_chunk(self, token: Reservation) -> None:
+        if not token.freed:
+            self.promised -= token.nbytes
         self._reserver.free(token)  # the kernel frees the pages at the last close or unmap: off the loop
+
+    def _room_to_refill(self, nbytes: int) -> None:
+        """AllocationFailed where reserving ``nbytes`` of a freed range again (its pages just punched out,
+        counted in the reservations under way) would leave less than the headroom available now."""
+        limit, available = _memory_room()
+        headroom = int(limit * HEADROOM_SHARE)
+        if available - self._reserver.pending < headroom:
+            raise AllocationFailed(
+                f"memory is short: {human(max(available, 0))} available, {human(self._reserver.pending)} of it "
+                f"being reserved, and the daemon leaves {human(headroom)} to everything else, so a freed range of "
+                f"{human(nbytes)} was not reserved again yet; it is tried again for the next set handed it"
+            )
 
     def close(self) -> None:
         self._reserver.close()

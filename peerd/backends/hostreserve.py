@@ -165,8 +165,9 @@ class Reservation:
 class Reserver:
     """The threads, the queues (uid -> its chunks waiting for a step, the uids in turn order) and the closes."""
 
-    def __init__(self, closed: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, closed: Callable[[], None] = lambda: None, room: Callable[[int], None] = lambda nbytes: None) -> None:
         self._lock = threading.Condition()
+        self._room = room  # raises AllocationFailed where a freed range may not be reserved again now
         self._turns: dict[int | None, list[Reservation]] = {}  # in turn order: the next uid first
         self._closes: list[int] = []
         self._closed = closed
@@ -275,8 +276,10 @@ class Reserver:
             done, error = 0, None
             try:
                 for offset, size in pieces:
-                    if refill and _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
-                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                    if refill:
+                        if _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
+                            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                        self._room(size)
                     os.posix_fallocate(reservation.fd, offset, size)
                     done += 1
             except Exception as err:  # whatever it is, the step must end, and this thread live on

@@ -10,14 +10,17 @@ point): what is asserted is behaviour, never timing.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import json
 import os
 import pwd
 import resource
 import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,25 +56,59 @@ def procs():
             proc.wait(timeout=30)
 
 
-def start_daemon(procs: list, socket_dir: str, *args: str, nofile: int | None = None) -> Daemon:
-    """A root daemon whose socket group holds the three users; with nofile, under RLIMIT_NOFILE nofile:nofile."""
+def start_daemon(procs: list, socket_dir: str, *args: str, nofile: int | None = None,
+                 cgroup: Path | None = None) -> Daemon:
+    """A root daemon whose socket group holds the three users; with nofile, under RLIMIT_NOFILE nofile:nofile;
+    with cgroup, in that (memory) cgroup."""
     os.chmod(socket_dir, 0o755)  # the daemon creates its own directory inside, which the users may enter
     d = Daemon(os.path.join(socket_dir, "run", "peerd.sock"), Path(socket_dir) / "daemon.log",
                args=("--socket-group", SOCKET_GROUP, *args))
-    limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+
+    def confine() -> None:
+        if nofile:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if cgroup is not None:
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
     d.proc = subprocess.Popen(
         [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", d.socket, *d.args],
-        stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env(), preexec_fn=limit)
+        stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env(), preexec_fn=confine)
     procs.append(d.proc)
     wait_until(lambda: "serving" in d.logs() or d.proc.poll() is not None, 60, "the daemon to start")
     assert d.proc.poll() is None, d.logs()
     return d
 
 
-def flood(procs: list, d: Daemon, kind: str, user: str, count: int = 1) -> tuple[subprocess.Popen, dict]:
+@contextlib.contextmanager
+def memory_cgroup(limit: int):
+    """A new memory cgroup below this process's, of at most ``limit`` bytes (cgroup v1 or v2), removed after;
+    the test skips where none can be made."""
+    lines = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+    v1 = next((path for _, controllers, path in lines if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        cgroup, limit_file = Path("/sys/fs/cgroup/memory", v1.lstrip("/"), f"peerd-test-{os.getpid()}"), "memory.limit_in_bytes"
+    else:
+        v2 = next((path for _, controllers, path in lines if controllers == ""), "/")
+        cgroup, limit_file = Path("/sys/fs/cgroup", v2.lstrip("/"), f"peerd-test-{os.getpid()}"), "memory.max"
+    try:
+        cgroup.mkdir()
+        (cgroup / limit_file).write_text(str(limit))
+    except OSError as err:
+        pytest.skip(f"no memory cgroup can be made here ({err})")
+    try:
+        yield cgroup
+    finally:
+        for pid in (cgroup / "cgroup.procs").read_text().split():  # a failed test leaves its daemon running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        wait_until(lambda: not (cgroup / "cgroup.procs").read_text().strip(), 30, "the cgroup's processes to exit")
+        cgroup.rmdir()
+
+
+def flood(procs: list, d: Daemon, kind: str, user: str, count: int = 1, *args: str) -> tuple[subprocess.Popen, dict]:
     """A flooder running as user; returns once its flood is in place, with what it reported."""
     proc = subprocess.Popen([sys.executable, str(TESTS / "flooders.py"), kind, "--socket", d.socket,
-                             "--count", str(count), "--as-user", user],
+                             "--count", str(count), "--as-user", user, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=d.env())
     procs.append(proc)
     ready, _, _ = select.select([proc.stdout], [], [], 120)
@@ -264,3 +301,26 @@ def test_ls_and_evict_page_through_thousands_of_sets_with_the_longest_keys(procs
     holder.kill()
     holder.wait(timeout=30)
     assert d.stop() == 0, d.logs()[-3000:]
+
+
+def test_members_punching_their_chunks_never_make_the_daemon_promise_more_than_its_memory(procs, socket_dir, users):
+    """A member holds its chunk's memfd and may punch the pages out, so memory the daemon promised read as
+    available again: a user joining and punching in turn had the daemon reserve 2 GiB in a 1 GiB cgroup, and
+    once the user left, zeroing the freed ranges (reserving them again) had the OOM killer take the daemon.
+    Now the chunks may promise at most the memory less the headroom, and a freed range is reserved again only
+    where memory leaves the headroom: the daemon refuses the flood with the numbers, lives, and serves on."""
+    with memory_cgroup(1 << 30) as cgroup:
+        d = start_daemon(procs, socket_dir, "--arena-idle-s", "600", cgroup=cgroup)
+        puncher, held = flood(procs, d, "punch", users[FLOODER], 32, "--nbytes", str(64 * MiB))
+        refusal = held["refusal"]
+        assert refusal is not None and refusal["code"] == "ALLOCATION_FAILED", held
+        assert "the daemon's chunks already take" in refusal["message"] and "it may promise" in refusal["message"], held
+        assert held["sets"] * 64 * MiB <= (1 << 30) * 15 // 16, held
+        puncher.kill()
+        puncher.wait(timeout=30)
+        wait_until(lambda: not json.loads(d.cli("ls", "--json").stdout), 30, "the puncher's sets to be freed")
+        time.sleep(2)  # the freed ranges are zeroed, and reserved again where memory allows
+        assert d.proc.poll() is None, f"the daemon died:\n{d.logs()[-3000:]}"
+        results = run_ranks(d, "exchange", 2, "--group", "after-punch", "--as-user", users[BYSTANDER])
+        assert all(r["ok"] for r in results), results
+        assert d.stop() == 0, d.logs()[-3000:]

@@ -352,3 +352,82 @@ def test_a_step_that_raises_anything_fails_its_chunk_and_the_threads_serve_on(mo
     finally:
         memory.free_chunk(fine)
         memory.close()
+
+
+def test_chunks_never_promise_more_than_the_memory_less_the_headroom_whatever_members_did_to_their_pages(monkeypatch):
+    """A member holds its chunk's memfd and may punch its pages out: MemAvailable then shows that memory
+    as free, but the daemon promised it (the next zeroing reserves it again). The chunks kept may promise
+    at most the memory the daemon may use less the headroom, counted by their sizes, not by their pages."""
+    limit = 64 << 20
+    headroom = int(limit * host.HEADROOM_SHARE)
+    monkeypatch.setattr(host, "_memory_room", lambda: (limit, 1 << 40))  # every page punched out: all available
+    memory = host.Memory()
+    try:
+        chunks = [memory.allocate_chunk(16 << 20, host.DEVICE, 0)[1] for _ in range(3)]
+        for chunk in chunks:
+            wait_for(lambda: memory.ready(chunk))
+            assert host._libc.fallocate(chunk.fd, hostreserve.PUNCH_HOLE, 0, 16 << 20) == 0, "a member punches"
+        with pytest.raises(AllocationFailed) as refused:
+            memory.allocate_chunk(16 << 20, host.DEVICE, 0)
+        assert str(refused.value).startswith(
+            f"cannot reserve 16777216 bytes (16.0 MiB) of shared memory: the daemon's chunks already take 48.0 MiB "
+            f"of the {human(limit - headroom)} it may promise"), refused.value
+        memory.free_chunk(chunks.pop())
+        memory.free_chunk(chunks[0])  # twice: given back once
+        memory.free_chunk(chunks[0])
+        assert memory.promised == 16 << 20
+        chunks[0] = memory.allocate_chunk(16 << 20, host.DEVICE, 0)[1]
+        for chunk in chunks:
+            memory.free_chunk(chunk)
+        assert memory.promised == 0
+    finally:
+        memory.close()
+
+
+def test_a_freed_range_is_reserved_again_only_while_memory_leaves_the_headroom(stepped, monkeypatch):
+    """Pages punched out by a member may have been taken by others since: the zeroing reserves a freed
+    range again only while the memory available (less the reservations under way) leaves the headroom,
+    else the set handed it fails with the numbers and the range is tried again; nobody is OOM-killed."""
+    kernel, memory = stepped
+    limit = 1 << 30
+    room = {"available": limit}
+    monkeypatch.setattr(host, "_memory_room", lambda: (limit, room["available"]))
+    _, chunk = memory.allocate_chunk(2 << 20, host.DEVICE, 0)
+    kernel.allow(2)
+    wait_for(lambda: memory.ready(chunk))
+    room["available"] = int(limit * host.HEADROOM_SHARE)  # others took the memory
+    memory.zero(chunk, 0, 1 << 20)
+    wait_for(lambda: not chunk.zeroing.total)
+    with pytest.raises(AllocationFailed, match="memory is short: .* a freed range of 1.0 MiB was not reserved again"):
+        memory.ready(chunk, (0, 4096))
+    assert len(kernel.calls) == 2, "no page of it was reserved again"
+    room["available"] = limit
+    kernel.allow(1)
+    wait_for(lambda: memory.ready(chunk, (0, 1 << 20)))
+    assert os.fstat(chunk.fd).st_blocks * 512 >= 2 << 20, "reserved again once there was room"
+    memory.free_chunk(chunk)
+
+
+def test_where_no_new_chunk_can_be_had_the_empty_chunks_nobody_maps_go_back_first():
+    """Empty chunks are kept only to be used again: one user's idle ones must not keep another user from
+    memory. A chunk that cannot be had is tried once more after they went back; the error stands where
+    none could go back."""
+
+    class TwoChunks(Chunks):
+        def allocate_chunk(self, nbytes, device, flags, uid=None):
+            if len(self.live) >= 2:
+                raise AllocationFailed(f"out of memory on {device}")
+            return super().allocate_chunk(nbytes, device, flags, uid)
+
+    chunks = TwoChunks()
+    memory = ArenaMemory(chunks, ArenaSettings(chunk_bytes=1 << 20, idle_s=600))
+    idle = memory.allocate(100, "gpu0", 0, 1000)
+    held = memory.allocate(100, "gpu0", 0, 2000)
+    memory.free(idle)  # uid 1000's chunk is empty now, kept for its next buffer
+    third = memory.allocate(100, "gpu0", 0, 3000)
+    assert idle.token.chunk.token not in chunks.live and len(chunks.live) == 2, "the empty chunk went back"
+    with pytest.raises(AllocationFailed, match="out of memory on gpu0"):
+        memory.allocate(100, "gpu0", 0, 4000)  # both chunks in use: nothing to give back
+    for allocation in (held, third):
+        memory.free(allocation)
+    memory.close()
