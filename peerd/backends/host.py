@@ -43,6 +43,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..arena import OverCap
+from ..index import tally
 from ..sizes import human
 from . import Mapper as MapperBase
 from . import AllocationFailed, ChunkMemory
@@ -63,6 +64,8 @@ HEADROOM_SHARE = 1 / 16
 #: the share of the daemon's fd room (peerd.fdroom) chunks' memfds may fill, with whatever else is in it: the
 #: rest stays for the pidfds, as a process the daemon cannot watch cannot join
 CHUNKS_FD_SHARE = 0.75
+#: the share of the fd room one uid's chunks may fill, so one user holding many chunks leaves the others room
+CHUNKS_FD_SHARE_PER_UID = 1 / 8
 
 
 class Memory(ChunkMemory):
@@ -74,6 +77,7 @@ class Memory(ChunkMemory):
         self._fd_room: FdRoom | None = None  # the daemon's, shared before the first chunk
         self._reserver = Reserver(closed=self._closed, room=self._room_to_refill)
         self.promised = 0  # bytes of the chunks kept, whatever became of their pages
+        self._chunks_of: dict[int | None, int] = {}  # uid -> its chunks kept: each a memfd in the fd room
         self.ready_fd = self._reserver.wake_fd
 
     def share_fd_room(self, room: FdRoom) -> None:
@@ -108,6 +112,7 @@ class Memory(ChunkMemory):
             handle = os.urandom(HANDLE_BYTES)
             reservation = self._reserver.reserve(fd, nbytes, uid, handle)
             self.promised += nbytes
+            tally(self._chunks_of, uid, 1)
             return handle, reservation
         except Exception as err:  # OSError, or no thread could be started to reserve it
             os.close(fd)
@@ -118,7 +123,17 @@ class Memory(ChunkMemory):
         """A place in the fd room for a new memfd, while chunks fill less than their share of it; else
         OverCap (LIMIT_EXCEEDED), with the numbers."""
         room = self._fd_room
-        if room is not None and not room.take(within=CHUNKS_FD_SHARE):
+        if room is None:
+            return
+        kept, share = self._chunks_of.get(uid, 0), int(room.size * CHUNKS_FD_SHARE_PER_UID)
+        if kept >= share:
+            raise OverCap(
+                f"no new chunk of {human(nbytes)} for uid {uid}: it keeps {kept} chunks, each a memfd the daemon "
+                f"holds, and one uid may keep {share} ({CHUNKS_FD_SHARE_PER_UID:.1%} of the daemon's {room.size} "
+                "spare file descriptors); release buffers you no longer use, or have the daemon's hard fd limit "
+                "raised (LimitNOFILE= in its unit)"
+            )
+        if not room.take(within=CHUNKS_FD_SHARE):
             raise OverCap(
                 f"no new chunk of {human(nbytes)} for uid {uid}: the daemon's memfds, pidfds and control page areas "
                 f"take {room.used} of its {room.size} spare file descriptors, and chunks may fill "
@@ -168,6 +183,7 @@ class Memory(ChunkMemory):
     def free_chunk(self, token: Reservation) -> None:
         if not token.freed:
             self.promised -= token.nbytes
+            tally(self._chunks_of, token.uid, -1)
         self._reserver.free(token)  # the kernel frees the pages at the last close or unmap: off the loop
 
     def _room_to_refill(self, nbytes: int) -> None:

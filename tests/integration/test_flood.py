@@ -247,16 +247,18 @@ def test_control_page_areas_of_many_groups_never_take_the_fds_the_connections_ne
 def test_host_memory_chunks_never_take_the_fds_the_connections_need(procs, socket_dir, users):
     """Under NOFILE 2048 with 4 KiB chunks, one user holding 2000 sets made the daemon keep a memfd per
     chunk until the fds ran out, and the next connection's accept aborted the daemon. Chunks now take
-    places in the fd room, three quarters of it at most: past that a set is refused (LIMIT_EXCEEDED, naming
-    the limit), connections and status are still served, and once the holder is gone its places come back."""
+    places in the fd room, three quarters of it at most and an eighth per uid: past that a set is refused
+    (LIMIT_EXCEEDED, naming the limit), another user still gets chunks, connections and status are still
+    served, and once the holder is gone its places come back."""
     d = start_daemon(procs, socket_dir, "--max-connections", "64", "--max-connections-per-uid", "32",
                      "--max-groups-per-uid", "4000", "--arena-chunk-bytes", "4096", "--arena-idle-s", "0",
                      nofile=2048)
     room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
     holder, held = flood(procs, d, "chunks", users[FLOODER], 2000)
     assert held["refusal"] is not None and held["refusal"]["code"] == "LIMIT_EXCEEDED", held
-    assert "spare file descriptors, and chunks may fill 75%" in held["refusal"]["message"], held
-    assert held["sets"] >= room["size"] // 2, held
+    assert f"it keeps {held['sets']} chunks" in held["refusal"]["message"], held
+    assert held["sets"] == room["size"] // 8, held
+    assert all(r["ok"] for r in run_ranks(d, "exchange", 2, "--group", "beside", "--as-user", users[BYSTANDER]))
     idle, _ = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
     assert d.proc.poll() is None, d.logs()[-3000:]
     status = status_as(d, users[BYSTANDER])

@@ -234,22 +234,29 @@ def test_a_range_that_cannot_be_reserved_again_fails_the_set_asking_and_is_tried
 
 
 def test_memfds_take_at_most_their_share_of_the_daemons_fd_room_and_free_it_once_closed(stepped):
-    """Each chunk is a memfd the daemon holds: past CHUNKS_FD_SHARE of its fd room a new one is refused
-    (LIMIT_EXCEEDED) with the numbers, and a freed chunk's place comes back once its fd is really closed."""
+    """Each chunk is a memfd the daemon holds: past CHUNKS_FD_SHARE_PER_UID of its fd room a uid's next one
+    is refused, and past CHUNKS_FD_SHARE anyone's (LIMIT_EXCEEDED, with the numbers); a freed chunk's place
+    comes back once its fd is really closed."""
     kernel, memory = stepped
-    room = FdRoom(8)
+    room = FdRoom(16)
     memory.share_fd_room(room)
     room.take()  # a pidfd, say
-    chunks = [memory.allocate_chunk(4096, host.DEVICE, 0, uid=1000)[1] for _ in range(5)]
-    assert room.used == 8 * host.CHUNKS_FD_SHARE
-    with pytest.raises(OverCap, match=r"no new chunk of 4.0 KiB for uid 2000: .* take 6 of its 8 spare file "
+    chunks = [memory.allocate_chunk(4096, host.DEVICE, 0, uid=1000)[1] for _ in range(2)]
+    with pytest.raises(OverCap, match=r"no new chunk of 4.0 KiB for uid 1000: it keeps 2 chunks, .* one uid may "
+                                      r"keep 2 \(12.5% of the daemon's 16 spare file descriptors\).*LimitNOFILE"):
+        memory.allocate_chunk(4096, host.DEVICE, 0, uid=1000)
+    chunks += [memory.allocate_chunk(4096, host.DEVICE, 0, uid=uid)[1] for uid in (2000, 2000, 3000, 3000, 4000,
+                                                                                   4000, 5000, 5000, 6000)]
+    assert room.used == 16 * host.CHUNKS_FD_SHARE
+    with pytest.raises(OverCap, match=r"no new chunk of 4.0 KiB for uid 7000: .* take 12 of its 16 spare file "
                                       r"descriptors, and chunks may fill 75% .*LimitNOFILE"):
-        memory.allocate_chunk(4096, host.DEVICE, 0, uid=2000)
+        memory.allocate_chunk(4096, host.DEVICE, 0, uid=7000)
     memory.free_chunk(chunks[0])
-    assert room.used == 6, "still open: queued behind the held step"
+    assert room.used == 12, "still open: queued behind the held step"
     kernel.allow()
-    wait_for(lambda: room.used == 5)
-    for token in chunks[1:]:
+    wait_for(lambda: room.used == 11)
+    chunks[0] = memory.allocate_chunk(4096, host.DEVICE, 0, uid=1000)[1]  # uid 1000 has room for one again
+    for token in chunks:
         memory.free_chunk(token)
     wait_for(lambda: room.used == 1)
 
