@@ -22,3 +22,14 @@ def test_every_relative_link_resolves(page):
         if "://" in target:
             continue
         assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_the_shipped_unit_allows_every_address_family_the_daemon_opens():
+    """The unit's RestrictAddressFamilies= left out AF_NETLINK, so under it the metrics port could not ask
+    the kernel who owns a connection (sock_diag), and every scraper shared one share of 3 connections:
+    any local user holding 3 blocked Prometheus. Every family the daemon's code opens must be allowed."""
+    unit = (ROOT / "systemd" / "peerd.service").read_text()
+    (allowed,) = re.findall(r"^RestrictAddressFamilies=(.*)$", unit, re.M)
+    opened = {family for path in (ROOT / "peerd").rglob("*.py")
+              for family in re.findall(r"socket\.(AF_[A-Z0-9]+)", path.read_text())}
+    assert opened and opened <= set(allowed.split()), f"opened {sorted(opened)}, allowed {allowed}"
