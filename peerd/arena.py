@@ -54,7 +54,7 @@ import bisect
 import contextlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 from .index import Index, tally
 from .sizes import human
@@ -301,7 +301,8 @@ class Arenas:
         """Free the chunks empty for ``idle_s`` or longer; those freed."""
         return self._free_idle(self.chunks.values(), now)
 
-    def _free_idle(self, chunks, now: float) -> list[Chunk]:
+    def _free_idle(self, chunks: Iterable[Chunk], now: float) -> list[Chunk]:
+        """Free those of ``chunks`` empty for ``idle_s`` or longer that no live process maps; those freed."""
         idle = [c for c in chunks if c.empty_since is not None and now - c.empty_since >= self.idle_s and not c.mappers]
         for chunk in idle:
             self._drop(chunk)

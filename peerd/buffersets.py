@@ -265,9 +265,8 @@ def listing_position(bset: BufferSet) -> tuple:
     return bset.group, bset.name, -1 if bset.owner_uid is None else bset.owner_uid
 
 
-def listing_entry(bset: BufferSet, now: float) -> dict[str, Any]:
+def listing_entry(b: BufferSet, now: float) -> dict[str, Any]:
     """What `ls` shows of a set."""
-    b = bset
     return {
         "group": b.group,
         "uid": b.owner_uid,

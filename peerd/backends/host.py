@@ -120,8 +120,8 @@ class Memory(ChunkMemory):
             raise AllocationFailed(f"cannot create {nbytes} bytes of shared memory: {err}") from None
 
     def _take_fd_place(self, nbytes: int, uid: int | None) -> None:
-        """A place in the fd room for a new memfd, while chunks fill less than their share of it; else
-        OverCap (LIMIT_EXCEEDED), with the numbers."""
+        """A place in the fd room for a new memfd, while chunks fill less than their share of it and ``uid``'s
+        less than its own; else OverCap (LIMIT_EXCEEDED), with the numbers."""
         room = self._fd_room
         if room is None:
             return
