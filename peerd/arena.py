@@ -194,7 +194,8 @@ class Arenas:
         """An aligned, zero-filled range of at least ``nbytes`` for ``uid`` on ``device``."""
         size = align(nbytes)
         if size <= self.chunk_bytes:
-            shared = [c for c in self._shared.get((uid, device, flags), {}).values() if self._usable(c)]
+            # a list first: _usable may forsake, and so drop, a chunk of the index it walks
+            shared = [c for c in list(self._shared.get((uid, device, flags), {}).values()) if self._usable(c)]
             for settle in (False, True):  # ranges ready now first; those still zeroing only when nothing else fits
                 for chunk in shared:
                     if settle and chunk.zeroing:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, OverCap, Placement
+from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, Placement
 from ..fdroom import FdRoom
 from ..sizes import human
 from . import Allocation, AllocationFailed, ChunkMemory, MemoryBackend
@@ -65,7 +65,7 @@ class ArenaMemory(MemoryBackend):
         with self._lock:
             try:
                 placement = self.arenas.place(nbytes, device, flags, uid)
-            except (AllocationFailed, OverCap):
+            except AllocationFailed:  # memory short; a uid's own limits (OverCap) are not others' to pay
                 freed = self.arenas.trim()
                 if not freed:
                     raise

@@ -21,8 +21,8 @@ close is reported (``closed``: the daemon's fd room gets its place back).
 ``pending`` counts the bytes still to reserve, which MemAvailable does not
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
 reserved again. The daemon's loop is woken through ``wake_fd`` each time a
-chunk's reservation ends (reserved, failed or stopped) and each time a
-chunk has no range left to zero (or one failed); ``woken`` names those chunks, so the loop asks
+chunk's reservation ends (reserved, failed or stopped) and after each
+step of zeroing (a range done, or failed); ``woken`` names those chunks, so the loop asks
 only the sets waiting on them, and ``ready`` says, for a range, whether it may be handed
 out: nothing on the loop ever waits for these threads. Ranges that could
 not be reserved again fail the set that asks for one of them (the memory
@@ -275,11 +275,12 @@ class Reserver:
                 continue
             done, error = 0, None
             try:
-                for offset, size in pieces:
-                    if refill:
+                if refill:  # punched out first (they read zero), then reserved again where memory allows
+                    for offset, size in pieces:
                         if _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
                             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                        self._room(size)
+                    self._room(sum(size for _, size in pieces))
+                for offset, size in pieces:
                     os.posix_fallocate(reservation.fd, offset, size)
                     done += 1
             except Exception as err:  # whatever it is, the step must end, and this thread live on
@@ -300,9 +301,8 @@ class Reserver:
                     for offset, size in pieces[done:]:
                         reservation.unzeroed.add(offset, offset + size)
                     reservation.unzeroed_error = error
-                if error is not None or not reservation.zeroing.total:
-                    self._wake(reservation)  # once the chunk's zeroing is done (or failed), not each step: every wake-up
-                    # has the loop ask every set waiting for memory
+                self._wake(reservation)  # after each step: a set waiting for one of its ranges may open, and
+                # the loop asks only the sets waiting on this chunk
         elif not reservation.freed:
             if error is None:
                 reservation.reserved += pieces[0][1]

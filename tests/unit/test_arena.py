@@ -300,6 +300,17 @@ def test_a_chunk_that_failed_unasked_is_forsaken_when_the_next_buffer_would_go_i
     assert b.chunk.forsaken and arenas.place(4096, "gpu0", 0, 1000).chunk is not b.chunk
 
 
+
+def test_a_placement_that_finds_an_empty_chunk_failed_unasked_drops_it_and_goes_on(arenas, source):
+    """Its reservation failed while it was empty: the placement that finds it forsakes it, which drops it
+    from the very chunks it is walking; the buffer goes to a new chunk (before, the walk raised, and the
+    join was answered INTERNAL)."""
+    a = arenas.place(4096, "gpu0", 0, 1000)
+    arenas.release(a, 0.0)
+    source.failed.add(a.chunk.token)
+    b = arenas.place(4096, "gpu0", 0, 1000)
+    assert b.chunk is not a.chunk and a.chunk.id not in arenas.chunks and source.freed == [a.chunk.token]
+
 def test_a_forsaken_chunk_a_process_was_handed_leaves_nothing_kept_for_that_process(arenas, source):
     """Its memory failed after its handles went out: it goes back with its last buffer, and the pid's
     death later finds nothing of it."""

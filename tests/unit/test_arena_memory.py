@@ -170,7 +170,7 @@ def test_uids_take_turns_and_a_chunk_freed_while_reserved_stops_at_its_next_step
 def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_reads_ready_once_done(stepped):
     """Punching a freed range's pages out and reserving them again costs as much as a reservation: it
     runs on the threads, in its uid's turn, and ``ready`` says no for that range (not for others) until
-    it is done; the loop is woken once the chunk has nothing left to zero. Then the range reads zero, pages there, the rest of the chunk untouched.
+    it is done; the loop is woken after each step, told which chunk. Then the range reads zero, pages there, the rest of the chunk untouched.
     Only the bytes a step has punched out count as pending: the rest are still in use."""
     kernel, memory = stepped
     handle, chunk = memory.allocate_chunk(4 << 20, host.DEVICE, 0, uid=1000)
@@ -188,10 +188,12 @@ def test_a_freed_range_is_zeroed_off_the_caller_in_its_uids_turn_and_reads_ready
         assert memory.ready(chunk, (0, 1 << 20)) and memory.ready(chunk, (3 << 20, 1 << 20)), "only that range"
         kernel.allow(1)
         wait_for(lambda: memory.ready(chunk, (1 << 20, 1 << 20)))
-        assert not select.select([memory.ready_fd], [], [], 0)[0], "no wake-up while the chunk has more to zero"
+        assert select.select([memory.ready_fd], [], [], 0)[0], "woken after the step: a set waiting for it may open"
+        assert memory.woken() == [handle], "told which chunk"
         kernel.allow(2)
         wait_for(lambda: memory.ready(chunk, (1 << 20, 2 << 20)))
-        assert select.select([memory.ready_fd], [], [], 0)[0], "the loop is woken once the chunk's zeroing is done"
+        wait_for(lambda: memory.ready(other))
+        assert select.select([memory.ready_fd], [], [], 0)[0], "the loop is woken once the zeroing is done"
         assert sorted(memory.woken()) == sorted([other_handle, handle]), "told which: the other one reserved, this one zeroed"
         assert [(size, offset) for size, offset, _ in kernel.calls[4:]] == [
             (4 << 20, 1 << 20), (1 << 20, 0), (4 << 20, 2 << 20)], "a step each, the uids in turn"
