@@ -104,8 +104,20 @@ class PeerBuffer:
             raise type(err)(f"peer memory rendezvous failed ({where}): {err}", err.code) from None
         except MonoUnsupported as err:
             raise type(err)(f"peer memory rendezvous failed ({where}): {err}", err.code) from None
+        except BaseException:  # interrupted while waiting (Ctrl-C): whatever the daemon holds for this rank goes
+            conn.send_later("release", self._slot(member))
+            raise
         self._released = False
         self._set = joined["set"]  # what the release names: see the release op
+        try:
+            self._set_up(conn, member, joined, agreement, where)
+        except BaseException:  # interrupted (Ctrl-C) or failed: no rank of this process may keep holding the set,
+            self._close(wait=False)  # which its peers would wait out, and which this process could not join again
+            raise
+
+    def _set_up(self, conn: Connection, member: Membership, joined: dict, agreement: float, where: str) -> None:
+        """Map every rank's buffer, then the commit vote: on the control page, else through the daemon."""
+        torch = require_torch()
         remember(member)
 
         failure, pointers, fds = None, [], []
@@ -306,12 +318,12 @@ class PeerBuffer:
                 log.warning("unmapping a peer buffer of group=%s failed: %s", self.group_key, err)
         if self._released:
             return
-        self._released = True
         if self.device.type == "cuda":  # no kernel of this rank may write into a range the daemon zeroes for reuse
             try:
                 require_torch().cuda.synchronize(self.device)
             except Exception as err:  # a broken context must not keep the set held
                 log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
+        self._released = True  # only now: a close interrupted before this point is done again by the next one
         slot = {"group": self.group_key, "name": self.name, "rank": self.rank, "set": self._set}
         try:
             if wait:

@@ -390,6 +390,33 @@ def patient(args) -> dict:
     return outcome
 
 
+def interruptible(args) -> dict:
+    """Connect and print READY; join after a line on stdin. Ctrl-C (SIGINT from the test) while it waits is
+    caught, as an interactive session would: print OUTCOME, then after another line join again and print
+    OUTCOME, and close after a third."""
+    from peerd_client import MonoUnsupported, PeerBuffer
+    from peerd_client.connection import connection
+
+    connection()
+    print("READY", flush=True)
+    outcomes, buf = [], None
+    for _ in range(2):
+        sys.stdin.readline()
+        try:
+            buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)
+            outcome = {"joined": True}
+        except KeyboardInterrupt:
+            outcome = {"interrupted": True}
+        except MonoUnsupported as err:
+            outcome = {"type": type(err).__name__, "code": err.code, "message": str(err)}
+        outcomes.append(outcome)
+        print("OUTCOME " + json.dumps(outcome), flush=True)
+    sys.stdin.readline()
+    if buf is not None:
+        buf.close()
+    return {"outcomes": outcomes}
+
+
 def closer(args) -> dict:
     """Hold a buffer set and print READY; close it after a line on stdin, print CLOSED, exit after another."""
     from peerd_client import PeerBuffer
@@ -515,6 +542,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "interruptible": interruptible,
     "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,
     "cache": cache,

@@ -223,6 +223,34 @@ def test_a_rank_that_gives_up_on_its_join_releases_its_slot_once_the_daemon_answ
     finish(rank)
 
 
+def test_ctrl_c_in_the_constructor_leaves_nothing_held_and_the_process_may_join_again(daemon):
+    """A Ctrl-C while the constructor waited for its peers left the rank joined until the process exited:
+    its peers got the handles and waited out the agreement, and the same process joining again was refused
+    RANK_TAKEN by its own pid. Now the interrupted join is released at once, a peer arriving hears why,
+    and both join again."""
+    rank = start_rank(daemon, "interruptible", 0, 2, "--group", "ctrl-c", "--timeout", "120", stdin=subprocess.PIPE)
+    _line(rank, "READY")
+    _say(rank)
+    wait_until(joined(daemon, "ctrl-c", 0), 60, "rank 0 to join")
+    rank.send_signal(signal.SIGINT)
+    assert json.loads(_line(rank, "OUTCOME")[8:]) == {"interrupted": True}
+    wait_until(lambda: _held(daemon) == [], 30, "the interrupted join to be released")
+    assert rank.poll() is None, "released by the process that caught its Ctrl-C, not by its exit"
+    peer = start_rank(daemon, "interruptible", 1, 2, "--group", "ctrl-c", "--timeout", "120", stdin=subprocess.PIPE)
+    _line(peer, "READY")
+    _say(peer)
+    heard = json.loads(_line(peer, "OUTCOME")[8:])
+    assert heard.get("code") == "GROUP_FAILED" and "withdrew" in heard["message"], heard
+    for proc in (rank, peer):  # both join again
+        _say(proc)
+    for proc in (rank, peer):
+        assert json.loads(_line(proc, "OUTCOME")[8:]) == {"joined": True}
+    for proc in (rank, peer):
+        _say(proc)
+        finish(proc)
+    wait_until(lambda: _held(daemon) == [], 30, "both ranks' releases")
+
+
 def test_a_reload_that_raises_the_default_timeout_does_not_make_a_worker_give_up_first(socket_dir):
     config = Path(socket_dir) / "peerd.toml"
     config.write_text("rendezvous_timeout = 2\n")
