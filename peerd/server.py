@@ -40,7 +40,7 @@ from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
 from .ops import OPS, Op, decode_request
-from .protocol import LS_PAGE_BYTES, MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_reply, request_id_of
+from .protocol import MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_reply, request_id_of
 from .settings import Loader, Settings
 from .tally import Tally
 from .credentials import Credentials

@@ -142,7 +142,7 @@ class Reservation:
     fd: int
     nbytes: int
     uid: int | None
-    handle: bytes = b""  # the chunk's, as ``woken`` names it to the loop
+    handle: bytes  # the chunk's, as ``woken`` names it to the loop
     reserved: int = 0
     error: AllocationFailed | None = None  # the reservation failed: the whole chunk is lost
     zeroing: Ranges = field(default_factory=Ranges)  # freed ranges still to punch out and reserve again
@@ -182,7 +182,7 @@ class Reserver:
         """Bytes still to reserve: memory promised that MemAvailable does not show as taken yet."""
         return self._pending
 
-    def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes = b"") -> Reservation:
+    def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes) -> Reservation:
         reservation = Reservation(fd, nbytes, uid, handle)
         with self._lock:
             self._threads = [thread for thread in self._threads if thread.is_alive()]
