@@ -223,9 +223,14 @@ def close_link(key: str, link: GroupLink) -> None:
 
 
 def link_for(key: str) -> GroupLink | None:
-    """The group's oldest open link: every rank opened its sets in the same order."""
+    """The group's oldest open link of the newest daemon run among them: every rank opened its
+    sets in the same order. A set kept open across a daemon restart serves no vote once a set of
+    the new run is open (its votes would be False, or DaemonUnavailable, for good)."""
     links = _links.get(key)
-    return links[0] if links else None
+    if not links:
+        return None
+    newest = links[-1].instance
+    return next(link for link in links if link.instance == newest)
 
 
 def _forget_after_fork() -> None:

@@ -11,7 +11,8 @@ Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool, "where": 
     where               where the buffer's page is: see ``where``
     garbage             overwrite this member's mapping of its page's WHOLE area with random bytes
     reduce              all_reduce(buf, ones) on the host, polling the buffer's page: the sum
-    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf (close buf first)
+    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf (which stays open);
+                        tried twice where the first call finds the daemon restarted
     close               buf.close()
 
 Every fd-channel request for a page area is counted (``page_fetches``).
@@ -70,7 +71,7 @@ def main() -> None:
 
     import torch
 
-    from peerd_client import PeerBuffer, tp_agree
+    from peerd_client import DaemonUnavailable, PeerBuffer, tp_agree
     from peerd_client.allreduce import all_reduce
 
     if args.as_user:
@@ -99,9 +100,16 @@ def main() -> None:
     def reduce() -> float:
         return float(all_reduce(buf, torch.ones(256), timeout=30)[0])
 
+    earlier = []  # the buffers ``fresh`` replaced: open until they are closed, or the member exits
+
     def fresh(new_group: str, rank: str, npes: str) -> bool:
         nonlocal buf, group
-        buf, group = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30), new_group
+        earlier.append(buf)
+        try:
+            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30)
+        except DaemonUnavailable:  # the first call after a daemon restart finds its connection gone
+            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30)
+        group = new_group
         return buf.abort_address != 0
 
     def garbage() -> int:

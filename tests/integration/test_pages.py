@@ -147,6 +147,13 @@ def test_after_a_daemon_restart_a_vote_is_false_or_unavailable_never_true(daemon
         for reply in ask_all(members, "agree"):
             assert reply.get("value") is not True, reply
             assert reply["ok"] or reply["type"] == "DaemonUnavailable", reply
+    for rank, m in enumerate(members):  # a new set of the group while the old one stays open
+        m.proc.stdin.write(f"fresh restarted {rank} 2\n")
+        m.proc.stdin.flush()
+    fresh = [m.read() for m in members]
+    assert [r.get("value") for r in fresh] == [pages] * 2, fresh
+    for _ in range(2):  # the new run's set votes; the old one no longer speaks for the group
+        assert [r.get("value") for r in ask_all(members, "agree")] == [True, True]
     for m in members:
         m.end()
 
