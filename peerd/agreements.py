@@ -7,8 +7,13 @@ still fails the round it would have voted in, at once instead of by timeout.
 While some pid holds a rank in a buffer set of the group, only that pid may
 vote for the rank (a forked child cannot vote with its parent's rank).
 
-Failure is reported to every waiting rank, never left to a hang: a death or a
-timeout makes the round False, with a reason naming the ranks and pids.
+Failure is reported to every waiting rank, never left to a hang: a death, a
+departure or a timeout makes the round False, with a reason naming the ranks
+and pids. A rank that released its last set of the group while its peers
+still held theirs has left (as on the control page: peerd.pages, Note [A
+leaving rank aborts late]): the rounds it is missing are False, as for a
+dead rank, until it votes again; then it enters the round after the last one
+its peers entered, as a process taking a dead rank's place does.
 Agreements are bounded by the caps in ``peerd.quotas``.
 """
 
@@ -41,6 +46,7 @@ class Agreement:
     calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
     rounds: dict[int, Round] = field(default_factory=dict)  # numbered without gaps from ``floor``
     dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
+    left: dict[int, str] = field(default_factory=dict)  # rank -> why it left the group, until it votes again
     floor: int = 1  # the oldest round still kept
     beyond: int = 0  # rounds from this one on were False at once: too far ahead (0: none); see ``collect``
     beyond_reason: str = ""
@@ -51,12 +57,16 @@ class Agreement:
 
     def slowest(self) -> tuple[int, int]:
         """(rounds entered, rank) of the slowest live member; one not seen yet has entered none."""
-        live = [(self.calls.get(r, 0), r) for r in range(self.npes) if r not in self.dead]
+        live = [(self.calls.get(r, 0), r) for r in range(self.npes) if self.present(r)]
         return min(live, default=(max(self.calls.values(), default=0), -1))
 
+    def present(self, rank: int) -> bool:
+        """Neither dead nor gone: its peers wait for its vote."""
+        return rank not in self.dead and rank not in self.left
+
     def most_entered(self, besides: int | None = None) -> int:
-        """The most rounds a live member (other than ``besides``) has entered: a dead one's count for nothing."""
-        return max((c for r, c in self.calls.items() if r not in self.dead and r != besides), default=0)
+        """The most rounds a present member (other than ``besides``) has entered: an absent one's count for nothing."""
+        return max((c for r, c in self.calls.items() if self.present(r) and r != besides), default=0)
 
     def collect(self) -> None:
         """Forget rounds every live rank has passed; a dead rank passes them all.
@@ -87,8 +97,9 @@ class Agreement:
         """Every member it knew of is dead: nobody can still be waiting on it."""
         return set(self.pids) <= set(self.dead)
 
-    def deaths(self, ranks: list[int]) -> str:
-        return "; ".join(f"rank {r} (pid {self.dead[r]}) died" for r in ranks)
+    def absences(self, ranks: list[int]) -> str:
+        """Why each of these absent ranks will not vote."""
+        return "; ".join(f"rank {r} (pid {self.dead[r]}) died" if r in self.dead else self.left[r] for r in ranks)
 
 
 class Agreements:
@@ -157,9 +168,9 @@ class Agreements:
             out.append(rnd.answer(caller))
         else:
             out += rnd.vote(rank, req["ok"], "", caller)
-            dead = [r for r in rnd.missing() if r in agreement.dead]
-            if dead and rnd.result is None:
-                out += rnd.finish(False, agreement.deaths(dead))
+            absent = [r for r in rnd.missing() if not agreement.present(r)]
+            if absent and rnd.result is None:
+                out += rnd.finish(False, agreement.absences(absent))
         if not settled and rnd.result is not None and not rnd.result[0]:
             log.warning("group=%s agreement round %d: False (%s)", group, k, rnd.result[1])
         self._collect(agreement)
@@ -171,14 +182,16 @@ class Agreements:
         """The group's agreement, started if need be; None (and the refusal) when uid keeps too many."""
         agreement = self.kept.get((uid, group))
         out: Outbox = []
-        if agreement is not None and agreement.dead.get(rank, pid) != pid:
-            # a new process takes a dead rank's place: it enters the group's next round, after every round
-            # a survivor entered (each False already: the rank was dead), and the survivors keep their count
-            del agreement.dead[rank]
+        if agreement is not None and (agreement.dead.get(rank, pid) != pid or rank in agreement.left):
+            # a new process takes a dead rank's place, or a rank that left votes again: it enters the group's
+            # next round, after every round a peer entered (each False already: the rank was absent), and the
+            # peers keep their count
+            agreement.dead.pop(rank, None)
+            agreement.left.pop(rank, None)
             agreement.pids[rank] = pid
             self._votes_in(pid, agreement)
             agreement.calls[rank] = agreement.most_entered(besides=rank)
-            log.info("group=%s rank=%d: pid %d takes the place of the dead pid, from round %d", group, rank, pid,
+            log.info("group=%s rank=%d: pid %d votes, from round %d (the rank had died or left)", group, rank, pid,
                      agreement.calls[rank] + 1)
             agreement.collect()
         if agreement is not None:
@@ -278,13 +291,31 @@ class Agreements:
     def _rank_died(self, agreement: Agreement, rank: int, pid: int) -> Outbox:
         """Every pending round the dead rank has not voted in is False now."""
         agreement.pids[rank] = agreement.dead[rank] = pid
+        agreement.left.pop(rank, None)
         out: Outbox = []
         for rnd in agreement.rounds.values():
             if rnd.result is None and rank not in rnd.votes:
-                out += rnd.finish(False, agreement.deaths([rank]))
+                out += rnd.finish(False, agreement.absences([rank]))
         # a member that exits between rounds is the normal end of a job, not news
         log.log(logging.WARNING if out else logging.DEBUG, "group=%s rank=%d pid=%d died%s", agreement.group,
                 rank, pid, " while its peers waited in an agreement" if out else "")
+        self._collect(agreement)
+        return out
+
+    def rank_left(self, uid: int | None, group: str, rank: int, pid: int, reason: str) -> Outbox:
+        """``pid`` released its last set of the group as ``rank`` while its peers held theirs: the rounds
+        it has not voted in are False, now and until it votes again."""
+        agreement = self.kept.get((uid, group))
+        if agreement is None or rank >= agreement.npes or agreement.pids.get(rank, pid) != pid \
+                or not agreement.present(rank):
+            return []
+        agreement.left[rank] = reason
+        out: Outbox = []
+        for rnd in agreement.rounds.values():
+            if rnd.result is None and rank not in rnd.votes:
+                out += rnd.finish(False, reason)
+        if out:
+            log.warning("group=%s agreement: %s while its peers waited in a round", group, reason)
         self._collect(agreement)
         return out
 

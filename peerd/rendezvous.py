@@ -39,6 +39,7 @@ Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, devic
 Free = Callable[[Allocation], None]
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
+Left = Callable[["int | None", str, int, int, str], Outbox]  # (owner uid, group, rank, pid, reason): it left the group
 
 SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
@@ -64,8 +65,10 @@ class Rendezvous:
     """Every buffer set's rules; the sets themselves live in ``index``."""
 
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
-                 pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True):
+                 pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
+                 left: Left = lambda uid, group, rank, pid, reason: []):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
+        self._left = left  # the group's agreement, told as a member leaves it
         self._allocate = allocate
         self._ready = ready
         self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
@@ -445,7 +448,7 @@ class Rendezvous:
         if left_at is None:
             self.pages.hold_dropped(bset, slot, why)
         else:
-            bset.timers.append(self._timers.at(left_at + LEAVE_GRACE_S, lambda t: self.pages.hold_dropped(bset, slot, why) or []))
+            bset.timers.append(self._timers.at(left_at + LEAVE_GRACE_S, lambda t: self._left_late(bset, slot, why)))
         holding = len(bset.holding_slots())
         log.debug("%s rank=%d pid=%d %s (%d still hold it)", bset.label, slot.rank, slot.pid, why, holding)
         if holding:
@@ -453,6 +456,17 @@ class Rendezvous:
         self._free_set(bset)
         self._forget(bset)
         return True
+
+    def _left_late(self, bset: BufferSet, slot: Slot, why: str) -> Outbox:
+        """LEAVE_GRACE_S after a rank released a set its peers still hold (see Note [A leaving rank
+        aborts late]): their page aborts, and the rank has left the group's agreement on the message
+        path too, unless it still holds another set of the group."""
+        self.pages.hold_dropped(bset, slot, why)
+        group, rank = bset.group, slot.rank
+        if not bset.holding_slots() or slot.pid in self.index.pids_holding_rank(bset.owner_uid, group, rank):
+            return []
+        reason = f"rank {rank} (pid {slot.pid}) {why} {bset.label} while its peers still held it, and left the group"
+        return self._left(bset.owner_uid, group, rank, slot.pid, reason)
 
     def _free_set(self, bset: BufferSet) -> None:
         self.pages.set_freed(bset)  # its abort word is set before any memory goes

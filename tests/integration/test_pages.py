@@ -104,10 +104,15 @@ def test_a_group_agrees_on_its_page_and_hears_a_death_with_the_reason(daemon):
         m.end()
 
 
-def test_a_daemon_without_pages_keeps_the_message_path_with_one_warning(socket_dir, daemon):
+def without_pages(daemon) -> None:
+    """Restart the test's daemon with --control-pages false: every group agrees through its messages."""
     daemon.stop()
     daemon.args = ("--control-pages", "false")
     daemon.start()
+
+
+def test_a_daemon_without_pages_keeps_the_message_path_with_one_warning(socket_dir, daemon):
+    without_pages(daemon)
     members = group_of(daemon, "unpaged", 2)
     assert not any(m.page for m in members)
     assert [r["value"] for r in ask_all(members, "agree")] == [True, True]
@@ -133,9 +138,7 @@ def test_an_eviction_aborts_the_page_before_it_frees_the_memory(daemon):
 @pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
 def test_after_a_daemon_restart_a_vote_is_false_or_unavailable_never_true(daemon, pages):
     if not pages:
-        daemon.stop()
-        daemon.args = ("--control-pages", "false")
-        daemon.start()
+        without_pages(daemon)
     members = group_of(daemon, "restarted", 2)
     assert [m.page for m in members] == [pages] * 2
     daemon.proc.send_signal(signal.SIGKILL)
@@ -351,3 +354,22 @@ def test_a_process_cycling_through_group_names_leaves_the_daemon_a_few_areas_not
         cycler.stdin.close()
         cycler.wait(30)
     wait_until(lambda: pages_held(daemon.proc.pid) == 0, 10, "the daemon to close its spares once the process exits")
+
+
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+def test_a_rank_that_releases_while_its_peer_waits_in_tp_agree_ends_the_round_on_either_path(daemon, pages):
+    if not pages:
+        without_pages(daemon)
+    stayer, leaver = group_of(daemon, "departing", 2, "--timeout", "30")
+    assert [stayer.page, leaver.page] == [pages] * 2
+    assert [r["value"] for r in ask_all([stayer, leaver], "agree")] == [True, True]
+    start = time.monotonic()
+    stayer.proc.stdin.write("agree\n")  # waits for the leaver's vote, which never comes
+    stayer.proc.stdin.flush()
+    assert leaver.ask("close")["ok"]
+    assert stayer.read() == {"ok": True, "value": False}
+    assert time.monotonic() - start < 15, "the departure ended the round, not its 30 s timeout"
+    assert stayer.ask("agree") == {"ok": True, "value": False}, "nor does a later round wait for it"
+    leaver.end()
+    said = stayer.end()
+    assert f"rank 1 (pid {leaver.proc.pid})" in said and "released" in said, said

@@ -7,6 +7,7 @@ import pytest
 from peerd import quotas
 from peerd.backends import Allocation
 from peerd.buffersets import State
+from peerd.pages import LEAVE_GRACE_S
 from peerd.credentials import Credentials
 from peerd.quotas import MAX_RUN_AHEAD, Limits
 from peerd.registry import Registry
@@ -54,8 +55,8 @@ def join(reg, rank, npes=2, now=0.0, pid=None, **over):
     return reg.join(("c", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
-def commit(reg, rank, ok=True, now=0.0, pid=None, reason="", page=False):
-    body = {"group": "g", "name": "n", "rank": rank, "ok": ok, "reason": reason, "timeout": None, "page": page}
+def commit(reg, rank, ok=True, now=0.0, pid=None, reason="", page=False, name="n"):
+    body = {"group": "g", "name": name, "rank": rank, "ok": ok, "reason": reason, "timeout": None, "page": page}
     return reg.commit(("v", rank), who(pid if pid is not None else 100 + rank), body, now)
 
 
@@ -756,3 +757,41 @@ def test_a_kept_verdict_replaced_or_evicted_leaves_the_uids_other_verdicts_kept(
     late = {"group": "gx", "name": "n", "rank": 1, "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
     (verdict,) = reg.join(("c", 1), who(101, 1), late, 0.0)
     assert verdict.error.code is ErrorCode.GROUP_FAILED
+
+
+def test_a_rank_that_released_while_its_peers_hold_the_set_has_left_their_agreement(reg):
+    """As on the control page: a second after a release, if its peers still hold the set, the rounds
+    the departed rank is missing are False with the reason, now and later, until it votes again."""
+    live_set(reg)
+    agree(reg, 0, group="g"), agree(reg, 1, group="g")  # round 1, both voted: rank 1 is a known member
+    agree(reg, 0, group="g")  # rank 0 waits in round 2
+    assert bodies(release(reg, 1)) == {("r", 1): {"freed": False}}
+    assert bodies(reg.expire(0.5)) == {}, "within the grace, a rank that released may still vote"
+    waiting = bodies(reg.expire(LEAVE_GRACE_S))[("a", 0)]
+    assert waiting["ok"] is False and "rank 1 (pid 101) released group=g name=n" in waiting["reason"], waiting
+    assert "left the group" in waiting["reason"]
+    later = bodies(agree(reg, 0, group="g"))[("a", 0)]
+    assert later["ok"] is False and "left the group" in later["reason"], "no waiting on a rank that left"
+    assert agree(reg, 1, group="g") == [], "it votes again: the round after its peer's"
+    assert bodies(agree(reg, 0, group="g"))[("a", 0)] == {"ok": True, "reason": ""}
+
+
+def test_a_rank_that_released_one_set_of_its_group_but_holds_another_has_not_left(reg):
+    live_set(reg)
+    for r in range(2):
+        join(reg, r, name="second")
+    for r in range(2):
+        commit(reg, r, name="second")
+    agree(reg, 0, group="g"), agree(reg, 1, group="g")
+    agree(reg, 0, group="g")
+    release(reg, 1)
+    assert bodies(reg.expire(LEAVE_GRACE_S)) == {}, "rank 1 still holds a set of the group: it may still vote"
+    assert bodies(agree(reg, 1, group="g"))[("a", 0)]["ok"] is True
+
+
+def test_ranks_that_all_release_within_the_grace_leave_nobody(reg):
+    live_set(reg)
+    agree(reg, 0, group="g"), agree(reg, 1, group="g")
+    release(reg, 1), release(reg, 0)
+    assert bodies(reg.expire(LEAVE_GRACE_S)) == {}
+    assert agree(reg, 0, group="g") == [], "nobody held the set after the grace: nobody left anyone"
