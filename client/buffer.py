@@ -34,7 +34,8 @@ def _member_fds(conn: Connection, slot: dict, handles: list[bytes]) -> list[int]
     if sent != handles:
         for fd in set(fds):
             os.close(fd)
-        raise MonoUnsupported(f"the daemon's fd channel {path} sent the memory of another set than the join named")
+        raise MonoUnsupported(f"the daemon's fd channel {path} sent the memory of another set than the join named",
+                              "BAD_REQUEST")
     return fds
 
 
@@ -161,7 +162,7 @@ class PeerBuffer:
             self.close()
             side = "this" if failure else "another"
             raise MonoUnsupported(
-                f"peer memory handshake failed on {side} rank ({where}): {verdict['reason']}"
+                f"peer memory handshake failed on {side} rank ({where}): {verdict['reason']}", "GROUP_FAILED"
             ) from failure
 
         self._link.choose()

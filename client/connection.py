@@ -60,9 +60,9 @@ HEARTBEAT_TIMEOUT_MS = 3000
 GRACE_S = 5.0
 #: how long a call past its deadline waits for the answer to its probe
 PROBE_TIMEOUT_S = 2.0
-#: undelivered releases are retried this often, for at most this long
+#: undelivered releases are retried after this long, the wait doubling up to the most, until delivered
 RETRY_EVERY_S = 1.0
-RETRY_FOR_S = 600.0
+RETRY_MOST_EVERY_S = 30.0
 CLOSED = "closed"
 
 
@@ -276,8 +276,9 @@ class Connection:
 class Undelivered:
     """Fire-and-forget requests (releases) that no connection delivered yet.
 
-    Sent on the next connection, and retried by a background thread every
-    RETRY_EVERY_S for at most RETRY_FOR_S while any wait. An entry is done
+    Sent on the next connection, and retried by a background thread while
+    any wait (after RETRY_EVERY_S, then twice as long each time up to
+    RETRY_MOST_EVERY_S), however long the daemon is away. An entry is done
     once a daemon answered it at all: NOT_FOUND from a restarted daemon means
     it freed everything already. A deque, so a finalizer may add to it from
     inside a flush without a lock to deadlock on.
@@ -320,9 +321,10 @@ class Undelivered:
                 pass  # answered: NOT_FOUND or a failure verdict, nothing is held for it any more
 
     def _retry(self) -> None:
-        until = time.monotonic() + RETRY_FOR_S
-        while self._entries and time.monotonic() < until:
-            time.sleep(RETRY_EVERY_S)
+        wait = RETRY_EVERY_S
+        while self._entries:
+            time.sleep(wait)
+            wait = min(2 * wait, RETRY_MOST_EVERY_S)
             try:
                 self.flush(connection())
             except (MonoUnsupported, ValueError):  # no daemon yet: try again

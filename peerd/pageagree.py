@@ -105,8 +105,11 @@ class PageVoter:
             aborted = self.page.aborted()
             return Verdict(False, f"agreement round {k} of {self.label} ended: "
                                   f"{aborted.reason if aborted else 'the group was aborted'}")
-        missing = [r for r, s in enumerate(self._slots) if s.value < k]
+        missing = [r for r, s in enumerate(self._slots) if s.value < k]  # still: the ranks to blame
         if rank == self.rank:
             return Verdict(False, f"agreement round {k} of {self.label} timed out waiting for rank(s) {missing}")
+        if missing:
+            return Verdict(False, f"agreement round {k} of {self.label} timed out waiting for rank(s) {missing} "
+                                  f"(rank {rank}'s deadline passed first)")
         return Verdict(False, f"agreement round {k} of {self.label} timed out: rank {rank} stopped waiting "
                               f"before every rank voted")
