@@ -33,7 +33,7 @@ def expected(step: str, victim: int, pid: int):
     return {
         "before_join": ("join", "TIMEOUT", f"rank(s) [{victim}] of {NPES} never joined"),
         "in_rendezvous": ("join", "RANK_DIED", f"rank {victim} (pid {pid})"),
-        "after_handles": ("join", None, f"rank {victim} (pid {pid})"),
+        "after_handles": ("join", "GROUP_FAILED", f"rank {victim} (pid {pid})"),
         "in_agreement": ("done", None, False),
         "after_ready": ("done", None, True),
         "in_close": ("done", None, True),
