@@ -19,7 +19,12 @@ limit, the daemon's own cgroup's: the daemon itself). So a chunk is refused
 up front when it would leave less than ``HEADROOM_SHARE`` of that memory
 available (MemAvailable, and what the tightest limit on the daemon's cgroup
 or its parents still allows, less the reservations still running), with
-the numbers.
+the numbers. Memory a freed chunk's close is about to give back counts as
+available: the empty chunks given back for a set are still closing when
+that set is tried again. Each step of a reservation checks the memory once
+more, and waits for the closes under way where it is short
+(peerd.backends.hostreserve), so such a chunk fails only where the closes
+did not give the memory back.
 
 MemAvailable alone is not enough: a member holds its chunk's memfd and may
 punch the pages out (the seals cannot forbid that without forbidding
@@ -75,7 +80,7 @@ class Memory(ChunkMemory):
 
     def __init__(self) -> None:
         self._fd_room: FdRoom | None = None  # the daemon's, shared before the first chunk
-        self._reserver = Reserver(closed=self._closed, room=self._room_to_refill)
+        self._reserver = Reserver(closed=self._closed, room=self._room_now)
         self.promised = 0  # bytes of the chunks kept, whatever became of their pages
         self._chunks_of: dict[int | None, int] = {}  # uid -> its chunks kept: each a memfd in the fd room
         self.ready_fd = self._reserver.wake_fd
@@ -150,12 +155,13 @@ class Memory(ChunkMemory):
         """AllocationFailed where ``nbytes`` more would promise more than the memory the daemon may use less
         the headroom, or leave less than the headroom available."""
         limit, available = _memory_room()
-        available -= self._reserver.pending
+        available += self._reserver.closing - self._reserver.pending  # each step checks again: see hostreserve
         headroom = int(limit * HEADROOM_SHARE)
         if nbytes > available - headroom:
             raise AllocationFailed(
                 f"cannot reserve {nbytes} bytes ({human(nbytes)}) of shared memory: {human(max(available, 0))} are "
-                f"available (MemAvailable, or the daemon's cgroup memory limit, less reservations under way), and "
+                f"available (MemAvailable, or the daemon's cgroup memory limit, less reservations under way, with "
+                f"the memory of chunks being closed), and "
                 f"the daemon leaves {human(headroom)} of {human(limit)} to everything else; release buffers or ask "
                 "for less"
             )
@@ -186,16 +192,17 @@ class Memory(ChunkMemory):
             tally(self._chunks_of, token.uid, -1)
         self._reserver.free(token)  # the kernel frees the pages at the last close or unmap: off the loop
 
-    def _room_to_refill(self, nbytes: int) -> None:
-        """AllocationFailed where reserving ``nbytes`` of a freed range again (its pages just punched out,
-        counted in the reservations under way) would leave less than the headroom available now."""
+    def _room_now(self, nbytes: int) -> None:
+        """AllocationFailed where reserving ``nbytes`` (a step of a chunk, or a freed range's pages just
+        punched out; either counted in the reservations under way) would leave less than the headroom
+        available now."""
         limit, available = _memory_room()
         headroom = int(limit * HEADROOM_SHARE)
         if available - self._reserver.pending < headroom:
             raise AllocationFailed(
                 f"memory is short: {human(max(available, 0))} available, {human(self._reserver.pending)} of it "
-                f"being reserved, and the daemon leaves {human(headroom)} to everything else, so a freed range of "
-                f"{human(nbytes)} was not reserved again yet; it is tried again for the next set handed it"
+                f"being reserved, and the daemon leaves {human(headroom)} to everything else, so {human(nbytes)} "
+                "could not be reserved now"
             )
 
     def close(self) -> None:

@@ -20,7 +20,13 @@ closes go before any step (a close is what gives memory back), and each
 close is reported (``closed``: the daemon's fd room gets its place back).
 ``pending`` counts the bytes still to reserve, which MemAvailable does not
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
-reserved again. The daemon's loop is woken through ``wake_fd`` each time a
+reserved again; ``closing`` the bytes of freed chunks whose close has not
+ended, which MemAvailable does not show as free yet. A chunk may be admitted
+on the memory a close is about to give back (a set's first try after empty
+chunks went back for it), so every step checks the memory first (``room``)
+and, where it is short while closes are under way, waits for them instead of
+failing; where it is still short once they ended (someone else holds a
+closed memfd's pages), the chunk fails with the numbers. The daemon's loop is woken through ``wake_fd`` each time a
 chunk's reservation ends (reserved, failed or stopped) and after each
 step of zeroing (a range done, or failed); ``woken`` names those chunks, so the loop asks
 only the sets waiting on them, and ``ready`` says, for a range, whether it may be handed
@@ -167,11 +173,13 @@ class Reserver:
 
     def __init__(self, closed: Callable[[], None] = lambda: None, room: Callable[[int], None] = lambda nbytes: None) -> None:
         self._lock = threading.Condition()
-        self._room = room  # raises AllocationFailed where a freed range may not be reserved again now
+        self._room = room  # raises AllocationFailed where reserving that many bytes now would leave memory short
         self._turns: dict[int | None, list[Reservation]] = {}  # in turn order: the next uid first
-        self._closes: list[int] = []
+        self._closes: list[Reservation] = []
         self._closed = closed
         self._pending = 0
+        self._closing = 0
+        self._parked: list[Reservation] = []  # chunks whose step waits for the closes under way to end
         self._stopping = False
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._woken: list[Reservation] = []  # chunks whose work ended since the loop last asked
@@ -181,6 +189,11 @@ class Reserver:
     def pending(self) -> int:
         """Bytes still to reserve: memory promised that MemAvailable does not show as taken yet."""
         return self._pending
+
+    @property
+    def closing(self) -> int:
+        """Bytes of freed chunks whose close has not ended: memory MemAvailable does not show as free yet."""
+        return self._closing
 
     def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes) -> Reservation:
         reservation = Reservation(fd, nbytes, uid, handle)
@@ -231,10 +244,14 @@ class Reserver:
             reservation.zeroing.clear()
             if reservation.queued:
                 self._unqueue(reservation)
+            if reservation in self._parked:
+                self._parked.remove(reservation)
+            if reservation.stepping or not self._stopping:
+                self._closing += reservation.reserved
             if reservation.stepping:
                 return  # the step's thread closes it (after its step)
             if not self._stopping:
-                self._closes.append(reservation.fd)
+                self._closes.append(reservation)
                 self._lock.notify()
                 return
         os.close(reservation.fd)  # no thread is left to do it
@@ -256,7 +273,7 @@ class Reserver:
                 while not (self._stopping or self._closes or self._turns):
                     self._lock.wait()
                 if self._closes:
-                    fd, reservation = self._closes.pop(0), None
+                    closing, reservation = self._closes.pop(0), None
                 elif self._stopping:
                     return
                 else:
@@ -269,9 +286,7 @@ class Reserver:
                     else:
                         pieces = [(reservation.reserved, min(STEP_BYTES, reservation.nbytes - reservation.reserved))]
             if reservation is None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-                self._closed()
+                self._close(closing)
                 continue
             done, error = 0, None
             try:
@@ -280,14 +295,47 @@ class Reserver:
                         if _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
                             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
                     self._room(sum(size for _, size in pieces))
+                elif self._room_short(reservation, pieces[0][1]):
+                    continue
                 for offset, size in pieces:
                     os.posix_fallocate(reservation.fd, offset, size)
                     done += 1
             except Exception as err:  # whatever it is, the step must end, and this thread live on
                 doing = "zero a freed range" if refill else f"reserve {reservation.nbytes} bytes"
-                error = AllocationFailed(f"cannot {doing} of shared memory: {err}")
+                again = "; the range is zeroed again for the next set handed it" if refill else ""
+                error = AllocationFailed(f"cannot {doing} of shared memory: {err}{again}")
             with self._lock:
                 self._stepped(reservation, refill, pieces, done, error)
+
+    def _room_short(self, reservation: Reservation, nbytes: int) -> bool:
+        """Before a reservation step: True where memory is short while closes are under way (the chunk
+        then waits for them, parked); AllocationFailed where it is short with none to wait for."""
+        try:
+            self._room(nbytes)
+            return False
+        except AllocationFailed:
+            with self._lock:
+                if not self._closing:
+                    raise
+                reservation.stepping = False
+                if reservation.freed:
+                    self._closes.append(reservation)
+                    self._lock.notify()
+                else:
+                    self._parked.append(reservation)
+            return True
+
+    def _close(self, reservation: Reservation) -> None:
+        """Close a freed chunk's memfd (the kernel frees its pages at the last close), then let the
+        chunks parked for memory try again."""
+        with contextlib.suppress(OSError):
+            os.close(reservation.fd)
+        with self._lock:
+            self._closing -= reservation.reserved
+            parked, self._parked = self._parked, []
+            for waiting in parked:
+                self._queue(waiting)
+        self._closed()
 
     def _stepped(self, reservation: Reservation, refill: bool, pieces: list[tuple[int, int]], done: int,
                  error: AllocationFailed | None) -> None:
@@ -313,7 +361,7 @@ class Reserver:
             if reservation.finished:
                 self._wake(reservation)
         if reservation.freed:
-            self._closes.append(reservation.fd)
+            self._closes.append(reservation)
             self._lock.notify()
         elif reservation.has_work:
             self._queue(reservation)  # the back of its uid's queue: every uid's chunks take turns

@@ -407,7 +407,7 @@ def test_a_freed_range_is_reserved_again_only_while_memory_leaves_the_headroom(s
     room["available"] = int(limit * host.HEADROOM_SHARE)  # others took the memory
     memory.zero(chunk, 0, 1 << 20)
     wait_for(lambda: not chunk.zeroing.total)
-    with pytest.raises(AllocationFailed, match="memory is short: .* a freed range of 1.0 MiB was not reserved again"):
+    with pytest.raises(AllocationFailed, match="zero a freed range .*memory is short: .* so 1.0 MiB could not be reserved now; the range is zeroed again"):
         memory.ready(chunk, (0, 4096))
     assert len(kernel.calls) == 2, "no page of it was reserved again"
     room["available"] = limit
@@ -440,3 +440,64 @@ def test_where_no_new_chunk_can_be_had_the_empty_chunks_nobody_maps_go_back_firs
     for allocation in (held, third):
         memory.free(allocation)
     memory.close()
+
+
+class SlowCloses:
+    """hostreserve's ``os`` with a close that waits for ``release``, then gives the chunk's memory back
+    (``state["back"]``) unless a member still holds it (``state["held"]``)."""
+
+    def __init__(self, state: dict):
+        self._state, self.release, self.started = state, threading.Event(), threading.Event()
+
+    def close(self, fd: int) -> None:
+        self.started.set()
+        assert self.release.wait(10), "the close was never released"
+        os.close(fd)
+        self._state["back"] = not self._state["held"]
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["given-back", "held-elsewhere"])
+def test_a_chunk_admitted_on_memory_still_closing_waits_for_the_close_then_fails_only_where_none_came_back(
+        monkeypatch, held):
+    """Empty chunks given back for a set are still closing when it is tried again: their memory counts,
+    and the new chunk's reservation waits for the close; where the pages did not come back (a process
+    still holds the closed memfd), it fails with the numbers instead of reserving memory that is not there."""
+    monkeypatch.setattr(hostreserve, "THREADS", 2)
+    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
+    limit, size = 1 << 30, 2 << 20
+    short = int(limit * host.HEADROOM_SHARE) + size // 2  # one chunk fits only with the closing one's memory
+    state = {"back": True, "held": held}
+    monkeypatch.setattr(host, "_memory_room", lambda: (limit, short + (size if state["back"] else 0)))
+    kernel = HeldKernel(monkeypatch)
+    slow = SlowCloses(state)
+    monkeypatch.setattr(hostreserve, "os", slow)
+    memory = host.Memory()
+    try:
+        _, old = memory.allocate_chunk(size, host.DEVICE, 0)
+        kernel.allow(2)
+        wait_for(lambda: memory.ready(old))
+        state["back"] = False  # its pages are in use
+        memory.free_chunk(old)
+        assert slow.started.wait(10) and memory._reserver.closing == size
+        _, new = memory.allocate_chunk(size, host.DEVICE, 0)  # refused before: memory read as short
+        kernel.allow()
+        time.sleep(0.2)
+        assert not memory.ready(new) and len(kernel.calls) == 2, "it waits for the close, reserving nothing"
+        slow.release.set()
+        if held:
+            wait_for(lambda: new.error is not None)
+            with pytest.raises(AllocationFailed, match=f"cannot reserve {size} bytes of shared memory: memory is short"):
+                memory.ready(new)
+            assert len(kernel.calls) == 2, "nothing reserved that is not there"
+        else:
+            wait_for(lambda: memory.ready(new))
+            assert os.fstat(new.fd).st_blocks * 512 >= size
+        assert memory._reserver.closing == 0
+        memory.free_chunk(new)
+    finally:
+        slow.release.set()
+        kernel.allow()
+        memory.close()
