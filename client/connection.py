@@ -29,6 +29,7 @@ import collections
 import contextlib
 import itertools
 import os
+import socket
 import struct
 import threading
 import time
@@ -74,7 +75,12 @@ class Connection:
         self._ids = itertools.count(1)
         self._lost: str | None = None
         self._owner: int | None = None  # the thread inside call() or post(), if any
-        self._deferred: list[tuple[str, dict]] = []  # requests no one waits for, sent before the next call
+        # requests no one waits for, from threads that could not take the socket (a deque: appended without the
+        # lock); the thread holding it sends them, woken through the pipe if it is waiting (see send_later)
+        self._deferred: collections.deque[tuple[str, dict]] = collections.deque()
+        self._wake_r, self._wake_w = socket.socketpair()  # objects: once closed, a late write fails, never lands
+        self._wake_r.setblocking(False)  # on whatever file reused the number
+        self._wake_w.setblocking(False)
         try:
             trusted = client_trusts()
             check_socket(self.path, trusted)
@@ -98,6 +104,7 @@ class Connection:
         self._poller = zmq.Poller()  # one per connection: the round trip is the hot path
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self._sock.connect(endpoint(self.path))
         try:
             self.hello = self._greet(trusted, connect_timeout)
@@ -154,6 +161,8 @@ class Connection:
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _check_lost(self) -> None:
         if self._lost == CLOSED:
@@ -191,17 +200,17 @@ class Connection:
                 yield
             finally:
                 self._owner = None
+        if self._deferred and self._lock.acquire(blocking=False):  # added while this thread let go: see send_later
+            try:
+                self._send_deferred()
+            except DaemonUnavailable:
+                pass  # they wait for the next connection; this call was answered
+            finally:
+                self._lock.release()
 
     def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` checked, once the connection is known alive and the deferred requests went out."""
-        try:
-            self._check_lost()
-        except DaemonUnavailable:
-            undelivered.extend(self._deferred)  # they go out on the next connection
-            self._deferred.clear()
-            raise
-        while self._deferred:
-            self._send(*self._deferred.pop(0))
+        self._send_deferred()
         try:
             return validate_request(op, body)  # a bad call fails here, with the field named, not in the daemon
         except ProtocolError as err:
@@ -226,6 +235,18 @@ class Connection:
             raise MonoUnsupported(f"peerd daemon sent a bad reply to {op}: {err.message}", err.code.value) from None
         return reply.body
 
+    def _send_deferred(self) -> None:
+        """Send what other threads left for the socket's holder (this thread), once the connection is
+        known alive; on a lost one they wait for the next connection, and DaemonUnavailable is raised."""
+        try:
+            self._check_lost()
+        except DaemonUnavailable:
+            while self._deferred:
+                undelivered.add(*self._deferred.popleft())
+            raise
+        while self._deferred:
+            self._send(*self._deferred.popleft())
+
     def _send(self, op: str, body: dict[str, Any]) -> int:
         request_id = next(self._ids)
         self._sock.send(encode_request(request_id, op, body))
@@ -236,6 +257,10 @@ class Connection:
         while True:
             left = deadline - time.monotonic()
             events = dict(self._poller.poll(int(left * 1000) + 1 if left > 0 else 0))
+            if self._wake_r.fileno() in events:  # another thread left a request (zmq reports plain sockets by fd)
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
+                self._send_deferred()
             if self._sock in events:
                 try:
                     reply = decode_reply(self._sock.recv())
@@ -252,23 +277,22 @@ class Connection:
     def send_later(self, op: str, body: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (its reply is skipped as stray).
 
-        For finalizers: a garbage-collection pass can run inside call() on this
-        very thread, where taking the lock would deadlock; then the request
-        waits for the next call (a process that never calls again is released
-        by the daemon when it exits). From any other thread it goes out now;
-        on a connection that was lost it waits for the next one.
+        For finalizers, so it never waits: the request goes to the thread
+        holding the socket, which sends it at once from its wait (woken
+        through a pipe) or before it lets go, or, where no thread holds the
+        socket, out now from this one. A garbage-collection pass inside
+        call() on this very thread is the first case. On a connection that
+        was lost it waits for the next one.
         """
-        if self._owner == threading.get_ident():  # inside call() on this thread: taking the lock would hang
-            self._deferred.append((op, body))
-            return
-        if not self._lock.acquire(timeout=REQUEST_TIMEOUT_S):
-            self._deferred.append((op, body))  # another thread is in a long call: it goes out after that
-            return
+        self._deferred.append((op, body))
+        with contextlib.suppress(OSError):  # full: the holder is woken already; closed: the connection is gone
+            self._wake_w.send(b"\0")
+        if self._owner == threading.get_ident() or not self._lock.acquire(blocking=False):
+            return  # the holder sends it: it checks for requests left after it let go the lock
         try:
-            self._check_lost()
-            self._send(op, body)
+            self._send_deferred()
         except DaemonUnavailable:
-            undelivered.add(op, body)
+            pass  # they wait for the next connection
         finally:
             self._lock.release()
 

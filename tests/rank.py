@@ -417,6 +417,41 @@ def interruptible(args) -> dict:
     return {"outcomes": outcomes}
 
 
+def dropped_while_busy(args) -> dict:
+    """Rank 0 of --group drops its buffer while another thread of it waits in a join that nobody answers
+    (a group of its own, --timeout): prints DROPPED once the finalizer ran, then waits for that join. Rank 1
+    holds its buffer until a line on stdin."""
+    import gc
+    import threading
+
+    from peerd_client import MonoUnsupported, PeerBuffer
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, 2)
+    if args.rank == 1:
+        print("READY", flush=True)
+        sys.stdin.readline()
+        buf.close()
+        return {}
+    lonely: dict = {}
+
+    def wait_alone() -> None:
+        try:
+            PeerBuffer(args.nbytes, f"{args.group}-lonely", 0, 2, timeout=args.timeout)
+        except MonoUnsupported as err:
+            lonely["code"] = err.code
+
+    waiting = threading.Thread(target=wait_alone)
+    waiting.start()
+    time.sleep(0.5)  # inside its call: the connection is held
+    start = time.monotonic()
+    del buf
+    gc.collect()
+    dropped = time.monotonic() - start
+    print("DROPPED", flush=True)
+    waiting.join()
+    return {"dropped_s": dropped, "lonely": lonely}
+
+
 def closer(args) -> dict:
     """Hold a buffer set and print READY; close it after a line on stdin, print CLOSED, exit after another."""
     from peerd_client import PeerBuffer
@@ -563,6 +598,7 @@ SCENARIOS = {
     "signals": signals,
     "patient": patient,
     "closer": closer,
+    "dropped_while_busy": dropped_while_busy,
     "vote": vote,
     "pipeline": pipeline,
 }

@@ -332,3 +332,19 @@ def test_a_release_delivered_again_never_ends_the_next_set_of_the_same_rank(daem
     (r,) = run_ranks(daemon, "stale_release", 1, "--group", "kv", "--name", "cache")
     assert r["new_set"] and r["refused"] == "NOT_FOUND", r
     assert r["kept"] == 7, "the new set's memory was zeroed under its holder"
+
+
+def test_a_buffer_collected_while_another_thread_waits_in_a_call_is_released_at_once(daemon):
+    """The finalizer's release waited up to 10 s for the thread holding the connection, then until that
+    process's next call; now the holder sends it from its wait, and the finalizer never blocks."""
+    group = "dropped-busy"
+    holder = start_rank(daemon, "dropped_while_busy", 1, 2, "--group", group, stdin=subprocess.PIPE)
+    dropper = start_rank(daemon, "dropped_while_busy", 0, 2, "--group", group, "--timeout", "8")
+    _line(holder, "READY")
+    _line(dropper, "DROPPED")
+    wait_until(lambda: [held for g, held in _held(daemon) if g == group] == [[1]], 5,
+               "the daemon to hear rank 0's release while its other thread still waits")
+    _say(holder)
+    assert finish(holder)["ok"]
+    result = finish(dropper, timeout=60)
+    assert result["dropped_s"] < 1 and result["lonely"] == {"code": "TIMEOUT"}, result
