@@ -10,25 +10,34 @@ guard never closes an fd it does not own). It runs on a thread of its own,
 so a busy loop never delays it, and libzmq blocks its I/O thread while the
 monitor's queue is full, so accepting never runs far ahead of the guard.
 The budget leaves room for that lag: see ``default_max_connections``.
+
+A connection whose opener exited is shut down too, within ``SWEEP_S``: a
+worker that forked (a data loader) and exited leaves its socket to the
+child, which never speaks on it (peerd_client opens a connection of its own
+in a forked child; the daemon would name the dead opener as the caller of
+anything sent on it), yet it counted against the user's cap, until that
+user could not connect at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import zmq
 
 from .access import GroupSource, peer_groups
-from .tally import LOG_EVERY_S, Tally
-from .trust import peer_credentials
+from .tally import Tally
+from .trust import peer_credentials, pid_alive
 
 log = logging.getLogger("peerd.connections")
 
@@ -53,6 +62,8 @@ MIN_DEFAULT_CONNECTIONS = 256
 DEFAULT_CONNECTIONS_PER_UID = 64
 #: a uid the allowlist refuses still gets a few connections, to receive its FORBIDDEN reply
 REFUSED_UID_CONNECTIONS = 4
+#: seconds between two looks for connections whose opener exited
+SWEEP_S = 1.0
 
 
 
@@ -103,6 +114,9 @@ class ConnectionGuard:
         self._monitor.connect(address)
         self._lock = threading.Lock()
         self._uid_of: dict[int, int] = {}  # fd -> uid, for each connection let in
+        self._opener: dict[int, int] = {}  # fd -> pid of the process that connected (SO_PEERCRED)
+        self._next_sweep = 0.0
+        self._address = ""  # the ROUTER's endpoint, as the monitor names it
         self._by_uid: Counter[int] = Counter()
         self._refused = Tally(log, "shut down %d connection(s)")
         self._thread = threading.Thread(target=self._run, name="peerd-connection-guard", daemon=True)
@@ -138,34 +152,40 @@ class ConnectionGuard:
                 log.exception("the connection guard hit an error; guarding on")  # which waits on this queue)
 
     def _step(self) -> None:
-        if self._monitor.poll(int(LOG_EVERY_S * 1000)):
+        if self._monitor.poll(int(SWEEP_S * 1000)):
             head, address = self._monitor.recv_multipart()
             event, value = struct.unpack("=HI", head[:6])
+            self._address = address.decode()
             if event == zmq.EVENT_ACCEPTED:
-                self._admit(value, address.decode())
+                self._admit(value, self._address)
             else:
                 self._forget(value)
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + SWEEP_S
+            self._sweep()
         self._refused.flush()
 
+    def _sweep(self) -> None:
+        """Shut down each connection whose opener exited (a forked child may hold it on)."""
+        for fd, pid in list(self._opener.items()):
+            if not pid_alive(pid):
+                with _peer_at(fd, self._address) as peer:
+                    if peer is not None and peer_credentials(peer).pid == pid:  # not a number reused since
+                        peer.shutdown(socket.SHUT_RDWR)  # its EVENT_DISCONNECTED forgets it
+                        self._refused.add("their opener exited (a process it forked held them on)")
+
     def _admit(self, fd: int, address: str) -> None:
-        try:
-            dup = os.dup(fd)
-        except OSError:
-            return  # already closed: its EVENT_DISCONNECTED follows
-        try:
-            peer = socket.socket(fileno=dup)
-        except OSError:  # the number was reused for something else than a socket
-            os.close(dup)
-            return
-        with peer:
-            if peer.family != socket.AF_UNIX or f"ipc://{peer.getsockname()}" != address:
-                return  # reused for another socket of the daemon's: never touch it
+        with _peer_at(fd, address) as peer:
+            if peer is None:
+                return
             who = peer_credentials(peer)
             why = self._over_cap(who.uid, who.gid, lambda: peer_groups(peer))
             if why is None:
                 with self._lock:
                     self._uid_of[fd] = who.uid
                     self._by_uid[who.uid] += 1
+                    self._opener[fd] = who.pid
                 return
             peer.shutdown(socket.SHUT_RDWR)  # libzmq sees EOF and closes its fd itself
         self._refused.add(why)
@@ -184,8 +204,30 @@ class ConnectionGuard:
 
     def _forget(self, fd: int) -> None:
         with self._lock:
+            self._opener.pop(fd, None)
             uid = self._uid_of.pop(fd, None)
             if uid is not None:
                 self._by_uid[uid] -= 1
                 if not self._by_uid[uid]:
                     del self._by_uid[uid]
+
+
+@contextlib.contextmanager
+def _peer_at(fd: int, address: str) -> Iterator[socket.socket | None]:
+    """A dup of libzmq's connection fd as a socket, closed after; None where the number is closed
+    already (its EVENT_DISCONNECTED follows) or reused for anything but a connection to ``address``:
+    the guard never touches an fd it does not own."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        yield None
+        return
+    try:
+        peer = socket.socket(fileno=dup)
+    except OSError:  # the number was reused for something else than a socket
+        os.close(dup)
+        yield None
+        return
+    with peer:
+        ours = peer.family == socket.AF_UNIX and f"ipc://{peer.getsockname()}" == address
+        yield peer if ours else None

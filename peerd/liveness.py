@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 from .fdroom import FdRoom
+from .trust import pid_alive
 
 log = logging.getLogger("peerd.liveness")
 
@@ -24,16 +25,6 @@ POLL_INTERVAL = 0.2
 #: pidfd each, so a user starting processes that each join or vote once cannot spend the daemon's
 #: fds (64 connections per uid by default: this leaves room for processes that closed theirs)
 MAX_PIDS_PER_UID = 256
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class PidWatcher:

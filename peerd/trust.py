@@ -64,6 +64,17 @@ class AccessDenied(SocketPathError):
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie still does, until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def peer_credentials(sock: socket.socket) -> Credentials:
     """The uid, gid and pid of the process that made the connection ``sock``, as the kernel recorded
     them (SO_PEERCRED); OSError where the socket cannot tell."""

@@ -17,6 +17,8 @@ way), then keeps it up until it is killed:
            refuses one or --count are held; READY says how many it holds and the refusal
   punch    the same with --nbytes sets, fetching each set's memfd over the fd channel and
            punching its pages out (the memory then reads as available again) before the next
+  orphans  --count connections, each opened by a process that forks a child (which inherits it and
+           never speaks on it, as a data loader) and exits; the children live as long as this flooder
 """
 
 from __future__ import annotations
@@ -121,6 +123,23 @@ def hello(args) -> None:
         sock.send(frame)
 
 
+def orphans(args) -> None:
+    alive_r, alive_w = os.pipe()  # the children read it until this flooder dies
+    for _ in range(args.count):
+        worker = os.fork()
+        if worker == 0:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(args.socket)
+            if os.fork() == 0:
+                os.close(alive_w)
+                os.read(alive_r, 1)
+                os._exit(0)
+            os._exit(0)
+        os.waitpid(worker, 0)  # reaped: no zombie keeps its pid alive
+    ready(orphaned=args.count)
+    hold()
+
+
 def _slot(i: int) -> dict:
     return {"group": SETS_GROUP, "name": set_name(i), "rank": 0}
 
@@ -200,7 +219,7 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
 
 
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks, "punch": punch}
+         "chunks": chunks, "punch": punch, "orphans": orphans}
 
 
 def main() -> None:

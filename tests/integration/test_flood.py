@@ -164,6 +164,21 @@ def test_connections_past_the_caps_are_shut_down_and_the_fd_limit_is_never_reach
     end(d, idle)
 
 
+def test_connections_whose_opener_exited_are_shut_down_though_a_forked_child_holds_them(procs, socket_dir, users):
+    """A worker that forks (a data loader) and exits leaves its connection to the child, which never speaks
+    on it: it counted against the user's cap until that user could not connect at all."""
+    d = start_daemon(procs, socket_dir, "--max-connections-per-uid", "4")
+    orphans, _ = flood(procs, d, "orphans", users[BYSTANDER], 4)
+    uid = int(users[BYSTANDER].split(":")[0])
+
+    def held() -> int:
+        return dict(map(tuple, json.loads(d.cli("status", "--json").stdout)["connections"]["top_uids"])).get(uid, 0)
+
+    wait_until(lambda: held() == 0, 10, "the orphaned connections to be shut down")
+    assert_served(d, users, "after-orphans")  # its user connects again
+    end(d, orphans)
+
+
 def test_a_partial_frame_is_dropped_at_its_header(procs, socket_dir, users):
     """Item 6: 300 connections each sending a 1 MiB frame one byte short, by a user the allowlist refuses."""
     bystander_uid = users[BYSTANDER].split(":")[0]
