@@ -156,7 +156,9 @@ class Reservation:
     unzeroed_error: AllocationFailed | None = None  # why, the last time
     queued: bool = False  # in its uid's queue for a step
     stepping: bool = False  # a thread is running a step of it now
+    parked: bool = False  # its step waits for the closes under way to end
     freed: bool = False  # the daemon let the chunk go: its fd is closed once no step uses it
+    closed: bool = False  # its fd is closed, or being closed: never twice
 
     @property
     def finished(self) -> bool:
@@ -244,18 +246,17 @@ class Reserver:
             reservation.zeroing.clear()
             if reservation.queued:
                 self._unqueue(reservation)
-            if reservation in self._parked:
+            if reservation.parked:
+                reservation.parked = False
                 self._parked.remove(reservation)
-            if reservation.stepping or not self._stopping:
-                self._closing += reservation.reserved
+            self._closing += reservation.reserved
             if reservation.stepping:
                 return  # the step's thread closes it (after its step)
             if not self._stopping:
                 self._closes.append(reservation)
                 self._lock.notify()
                 return
-        os.close(reservation.fd)  # no thread is left to do it
-        self._closed()
+        self._close(reservation)  # no thread is left to do it
 
     def close(self) -> None:
         """Stop: the steps under way end, the closes asked for are made, no further step is taken."""
@@ -321,19 +322,25 @@ class Reserver:
                 if reservation.freed:
                     self._closes.append(reservation)
                     self._lock.notify()
-                else:
+                else:  # a zero() meanwhile queues nothing: its ranges wait with the chunk (see _queue)
+                    reservation.parked = True
                     self._parked.append(reservation)
             return True
 
     def _close(self, reservation: Reservation) -> None:
-        """Close a freed chunk's memfd (the kernel frees its pages at the last close), then let the
-        chunks parked for memory try again."""
+        """Close a freed chunk's memfd once (the kernel frees its pages at the last close; a second
+        close could hit whatever reused the number), then let the chunks parked for memory try again."""
+        with self._lock:
+            if reservation.closed:
+                return
+            reservation.closed = True
         with contextlib.suppress(OSError):
             os.close(reservation.fd)
         with self._lock:
             self._closing -= reservation.reserved
             parked, self._parked = self._parked, []
             for waiting in parked:
+                waiting.parked = False
                 self._queue(waiting)
         self._closed()
 
@@ -374,8 +381,9 @@ class Reserver:
         self._queue(reservation)
 
     def _queue(self, reservation: Reservation) -> None:
-        """To the back of its uid's queue, unless it is there or stepping already (under the lock)."""
-        if reservation.queued or reservation.stepping:
+        """To the back of its uid's queue, unless it is there, stepping or parked already, or freed
+        (under the lock)."""
+        if reservation.queued or reservation.stepping or reservation.parked or reservation.freed:
             return
         reservation.queued = True
         self._turns.setdefault(reservation.uid, []).append(reservation)

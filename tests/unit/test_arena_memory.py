@@ -501,3 +501,57 @@ def test_a_chunk_admitted_on_memory_still_closing_waits_for_the_close_then_fails
         slow.release.set()
         kernel.allow()
         memory.close()
+
+
+def test_a_parked_chunk_zeroed_then_freed_is_closed_once_and_leaves_the_counts_whole(monkeypatch):
+    """A chunk parked for memory, handed a freed range to zero (a set in it was released) and then freed:
+    it sat in the parked list twice, and its fd was closed twice (whatever reused the number went with
+    it), the fd room given back twice and ``closing`` left negative."""
+    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
+    gate, closes, state = threading.Event(), [], {"short": False, "steps_allowed": 0}
+
+    class GatedCloses:
+        def close(self, fd):
+            if fd == state.get("gated"):
+                assert gate.wait(10)
+            closes.append(fd)
+            os.close(fd)
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+    def room(nbytes):
+        if state["steps_allowed"]:
+            state["steps_allowed"] -= 1
+        elif state["short"]:
+            raise AllocationFailed("memory is short")
+
+    monkeypatch.setattr(hostreserve, "os", GatedCloses())
+    given_back = []
+    reserver = hostreserve.Reserver(closed=lambda: given_back.append(1), room=room)
+    try:
+        fds = []
+        for size in (1 << 20, 4 << 20):
+            fds.append(os.memfd_create("chunk"))
+            os.ftruncate(fds[-1], size)
+        old = reserver.reserve(fds[0], 1 << 20, 1000, b"old")
+        wait_for(lambda: old.finished)
+        state.update(gated=fds[0], short=True)
+        reserver.free(old)  # its close is under way, and stays so
+        state["steps_allowed"] = 1
+        parked = reserver.reserve(fds[1], 4 << 20, 1000, b"parked")
+        wait_for(lambda: parked in reserver._parked)
+        assert parked.reserved == 1 << 20, "one step, then memory read short with a close under way: it waits"
+        reserver.zero(parked, 0, 4096)  # a set in it was released
+        time.sleep(0.1)
+        assert reserver._parked == [parked] and not parked.queued, "still parked, once"
+        reserver.free(parked)
+        wait_for(lambda: fds[1] in closes)
+        gate.set()
+        wait_for(lambda: len(given_back) == 2)
+        time.sleep(0.1)
+        assert sorted(closes) == sorted(fds), "each memfd closed once"
+        assert len(given_back) == 2 and reserver.closing == 0 and reserver.pending == 0
+    finally:
+        gate.set()
+        reserver.close()
