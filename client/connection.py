@@ -157,6 +157,7 @@ class Connection:
         if self._lost == CLOSED:
             return
         self._lost = CLOSED  # PeerBuffers still holding this connection get DaemonUnavailable
+        self.hand_over_deferred()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
@@ -200,13 +201,7 @@ class Connection:
                 yield
             finally:
                 self._owner = None
-        if self._deferred and self._lock.acquire(blocking=False):  # added while this thread let go: see send_later
-            try:
-                self._send_deferred()
-            except DaemonUnavailable:
-                pass  # they wait for the next connection; this call was answered
-            finally:
-                self._lock.release()
+        self._flush_deferred()  # what other threads left while this one held the socket
 
     def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` checked, once the connection is known alive and the deferred requests went out."""
@@ -241,11 +236,29 @@ class Connection:
         try:
             self._check_lost()
         except DaemonUnavailable:
-            while self._deferred:
-                undelivered.add(*self._deferred.popleft())
+            self.hand_over_deferred()
             raise
         while self._deferred:
             self._send(*self._deferred.popleft())
+
+    def _flush_deferred(self) -> None:
+        """Send what other threads left for the socket, unless a thread holds it (that one sends them):
+        looked at again after each let-go, so a request left meanwhile is never stranded."""
+        while self._deferred and self._lock.acquire(blocking=False):
+            try:
+                self._send_deferred()
+            except DaemonUnavailable:
+                pass  # they wait for the next connection
+            finally:
+                self._lock.release()
+
+    def hand_over_deferred(self) -> None:
+        """This connection is gone: what other threads left for it waits for the next one."""
+        while True:
+            try:
+                undelivered.add(*self._deferred.popleft())
+            except IndexError:
+                return
 
     def _send(self, op: str, body: dict[str, Any]) -> int:
         request_id = next(self._ids)
@@ -257,10 +270,6 @@ class Connection:
         while True:
             left = deadline - time.monotonic()
             events = dict(self._poller.poll(int(left * 1000) + 1 if left > 0 else 0))
-            if self._wake_r.fileno() in events:  # another thread left a request (zmq reports plain sockets by fd)
-                with contextlib.suppress(BlockingIOError):
-                    self._wake_r.recv(4096)
-                self._send_deferred()
             if self._sock in events:
                 try:
                     reply = decode_reply(self._sock.recv())
@@ -269,10 +278,15 @@ class Connection:
                 if reply.id in ids:
                     return reply
                 continue  # the late answer to a call that gave up
+            if self._wake_r.fileno() in events:  # another thread left a request (zmq reports plain sockets by fd)
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_r.recv(4096)
+                with contextlib.suppress(DaemonUnavailable):  # lost: the monitor's event below says so
+                    self._send_deferred()
             if left <= 0:
                 return None
-            if self._monitor in events:  # only once every reply that came is read
-                self._check_lost()
+            if self._monitor in events or self._lost:  # only once every reply that came is read (the wake
+                self._check_lost()  # above may have read the monitor's event)
 
     def send_later(self, op: str, body: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (its reply is skipped as stray).
@@ -287,14 +301,11 @@ class Connection:
         self._deferred.append((op, body))
         with contextlib.suppress(OSError):  # full: the holder is woken already; closed: the connection is gone
             self._wake_w.send(b"\0")
-        if self._owner == threading.get_ident() or not self._lock.acquire(blocking=False):
-            return  # the holder sends it: it checks for requests left after it let go the lock
-        try:
-            self._send_deferred()
-        except DaemonUnavailable:
-            pass  # they wait for the next connection
-        finally:
-            self._lock.release()
+        if self._owner == threading.get_ident():
+            return  # inside call() on this thread: it sends it before it lets go
+        self._flush_deferred()
+        if self._lost == CLOSED:  # closed meanwhile: nobody holds this connection any more
+            self.hand_over_deferred()
 
 
 class Undelivered:
@@ -394,9 +405,7 @@ def connection() -> Connection:
     with _connection_lock:
         fresh = False
         if _connection is not None and _connection._lost:
-            undelivered.extend(_connection._deferred)
-            _connection._deferred.clear()
-            _connection.close()
+            _connection.close()  # what was left for it waits for the new one
             _connection = None
         if _connection is None:
             _connection, fresh = Connection(default_socket()), True

@@ -12,8 +12,9 @@ departure or a timeout makes the round False, with a reason naming the ranks
 and pids. A rank that released its last set of the group while its peers
 still held theirs has left (as on the control page: peerd.pages, Note [A
 leaving rank aborts late]): the rounds it is missing are False, as for a
-dead rank, until it votes again; then it enters the round after the last one
-its peers entered, as a process taking a dead rank's place does.
+dead rank, until it votes again or joins a set of the group again; then it
+enters the round after the last one its peers entered, as a process taking
+a dead rank's place does.
 Agreements are bounded by the caps in ``peerd.quotas``.
 """
 
@@ -183,17 +184,7 @@ class Agreements:
         agreement = self.kept.get((uid, group))
         out: Outbox = []
         if agreement is not None and (agreement.dead.get(rank, pid) != pid or rank in agreement.left):
-            # a new process takes a dead rank's place, or a rank that left votes again: it enters the group's
-            # next round, after every round a peer entered (each False already: the rank was absent), and the
-            # peers keep their count
-            agreement.dead.pop(rank, None)
-            agreement.left.pop(rank, None)
-            agreement.pids[rank] = pid
-            self._votes_in(pid, agreement)
-            agreement.calls[rank] = agreement.most_entered(besides=rank)
-            log.info("group=%s rank=%d: pid %d votes, from round %d (the rank had died or left)", group, rank, pid,
-                     agreement.calls[rank] + 1)
-            agreement.collect()
+            self._returns(agreement, rank, pid)
         if agreement is not None:
             return out, agreement
         refusal = self._quotas.agreements_refusal(uid, group)
@@ -205,6 +196,30 @@ class Agreements:
             if dead_rank != rank and dead_rank < npes:
                 agreement.pids[dead_rank] = agreement.dead[dead_rank] = dead_pid
         return out, agreement
+
+    def _returns(self, agreement: Agreement, rank: int, pid: int) -> None:
+        """A new process takes a dead rank's place, or a rank that left votes or joins a set again: it
+        enters the group's next round, after every round a peer entered (each False already: the rank was
+        absent), never one it entered itself; the peers keep their count."""
+        own = agreement.calls.get(rank, 0) if rank in agreement.left and agreement.pids.get(rank) == pid else 0
+        agreement.dead.pop(rank, None)
+        agreement.left.pop(rank, None)
+        before = agreement.pids.get(rank)
+        agreement.pids[rank] = pid
+        if before is not None and before != pid and before not in agreement.pids.values():
+            self.voting.discard(before, agreement.key)  # it votes for no rank here any more
+        self._votes_in(pid, agreement)
+        agreement.calls[rank] = max(own, agreement.most_entered(besides=rank))
+        log.info("group=%s rank=%d: pid %d takes part again, from round %d (the rank had died or left)",
+                 agreement.group, rank, pid, agreement.calls[rank] + 1)
+        agreement.collect()
+
+    def rank_back(self, uid: int | None, group: str, rank: int, pid: int) -> None:
+        """``pid`` joined a set of the group as ``rank``: where that rank had left the group's agreement,
+        it takes part again (its peers' rounds wait for it) before its first vote."""
+        agreement = self.kept.get((uid, group))
+        if agreement is not None and rank in agreement.left:
+            self._returns(agreement, rank, pid)
 
     def _open_round(self, uid: int | None, deadline: float, check: Check) -> Callable[[], None]:
         """Count one more round open for ``uid`` and time it; what to call once it settles."""

@@ -169,7 +169,7 @@ class ConnectionGuard:
     def _sweep(self) -> None:
         """Shut down each connection whose opener exited (a forked child may hold it on)."""
         for fd, pid in list(self._opener.items()):
-            if not pid_alive(pid):
+            if pid > 0 and not pid_alive(pid):  # 0: an opener in another pid namespace, never known dead
                 with _peer_at(fd, self._address) as peer:
                     if peer is not None and peer_credentials(peer).pid == pid:  # not a number reused since
                         peer.shutdown(socket.SHUT_RDWR)  # its EVENT_DISCONNECTED forgets it

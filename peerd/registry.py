@@ -52,7 +52,8 @@ class Registry:
         self._quotas = Quotas(limits)
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
         self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages, ready,
-                                left=lambda *member: self._agreements.rank_left(*member))
+                                left=lambda *member: self._agreements.rank_left(*member),
+                                back=lambda *member: self._agreements.rank_back(*member))
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

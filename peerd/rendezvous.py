@@ -40,6 +40,7 @@ Free = Callable[[Allocation], None]
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
 Left = Callable[["int | None", str, int, int, str], Outbox]  # (owner uid, group, rank, pid, reason): it left the group
+Back = Callable[["int | None", str, int, int], None]  # (owner uid, group, rank, pid): it joined a set of the group
 
 SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
@@ -66,9 +67,10 @@ class Rendezvous:
 
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
                  pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
-                 left: Left = lambda uid, group, rank, pid, reason: []):
+                 left: Left = lambda uid, group, rank, pid, reason: [],
+                 back: Back = lambda uid, group, rank, pid: None):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
-        self._left = left  # the group's agreement, told as a member leaves it
+        self._left, self._back = left, back  # the group's agreement, told as a member leaves it and comes back
         self._allocate = allocate
         self._ready = ready
         self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
@@ -141,6 +143,7 @@ class Rendezvous:
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
         self.index.take_slot(bset, Slot(rank, pid, uid, device, allocation, now, waiter=caller))
+        self._back(bset.owner_uid, bset.group, rank, pid)
         timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
         log.debug("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,

@@ -103,7 +103,7 @@ class Memory(ChunkMemory):
     def allocate_chunk(self, nbytes: int, device: str, flags: int, uid: int | None = None) -> tuple[bytes, Reservation]:
         if device != DEVICE:
             raise self.unknown_device(device)
-        self._check_room(nbytes)
+        on_credit = self._check_room(nbytes)
         self._take_fd_place(nbytes, uid)
         try:
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -115,7 +115,7 @@ class Memory(ChunkMemory):
             os.ftruncate(fd, nbytes)  # zero-filled; reserved off the loop
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             handle = os.urandom(HANDLE_BYTES)
-            reservation = self._reserver.reserve(fd, nbytes, uid, handle)
+            reservation = self._reserver.reserve(fd, nbytes, uid, handle, on_credit)
             self.promised += nbytes
             tally(self._chunks_of, uid, 1)
             return handle, reservation
@@ -151,12 +151,15 @@ class Memory(ChunkMemory):
         if self._fd_room is not None:
             self._fd_room.give()
 
-    def _check_room(self, nbytes: int) -> None:
+    def _check_room(self, nbytes: int) -> bool:
         """AllocationFailed where ``nbytes`` more would promise more than the memory the daemon may use less
-        the headroom, or leave less than the headroom available."""
+        the headroom, or leave less than the headroom available; whether it fits only on the memory of
+        chunks being closed (then each step of it checks again: see peerd.backends.hostreserve)."""
         limit, available = _memory_room()
-        available += self._reserver.closing - self._reserver.pending  # each step checks again: see hostreserve
+        available -= self._reserver.pending
         headroom = int(limit * HEADROOM_SHARE)
+        on_credit = nbytes > available - headroom
+        available += self._reserver.closing
         if nbytes > available - headroom:
             raise AllocationFailed(
                 f"cannot reserve {nbytes} bytes ({human(nbytes)}) of shared memory: {human(max(available, 0))} are "
@@ -172,6 +175,7 @@ class Memory(ChunkMemory):
                 f"machine's or its cgroup's memory, less {human(headroom)} left to everything else); release "
                 "buffers or ask for less"
             )
+        return on_credit
 
     def ready(self, token: Reservation, span: tuple[int, int] | None = None) -> bool:
         return self._reserver.ready(token, span)

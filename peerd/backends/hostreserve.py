@@ -22,11 +22,13 @@ close is reported (``closed``: the daemon's fd room gets its place back).
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
 reserved again; ``closing`` the bytes of freed chunks whose close has not
 ended, which MemAvailable does not show as free yet. A chunk may be admitted
-on the memory a close is about to give back (a set's first try after empty
-chunks went back for it), so every step checks the memory first (``room``)
+on the memory a close is about to give back (``on_credit``: a set's first
+try after empty chunks went back for it), so each step of such a chunk
+checks the memory first (``room``, counting every chunk admitted before it)
 and, where it is short while closes are under way, waits for them instead of
 failing; where it is still short once they ended (someone else holds a
-closed memfd's pages), the chunk fails with the numbers. The daemon's loop is woken through ``wake_fd`` each time a
+closed memfd's pages), it fails with the numbers. Other chunks never wait
+on it: they were admitted on memory that was there. The daemon's loop is woken through ``wake_fd`` each time a
 chunk's reservation ends (reserved, failed or stopped) and after each
 step of zeroing (a range done, or failed); ``woken`` names those chunks, so the loop asks
 only the sets waiting on them, and ``ready`` says, for a range, whether it may be handed
@@ -156,6 +158,7 @@ class Reservation:
     unzeroed_error: AllocationFailed | None = None  # why, the last time
     queued: bool = False  # in its uid's queue for a step
     stepping: bool = False  # a thread is running a step of it now
+    on_credit: bool = False  # admitted on memory chunks being closed give back: each step checks the room
     parked: bool = False  # its step waits for the closes under way to end
     freed: bool = False  # the daemon let the chunk go: its fd is closed once no step uses it
     closed: bool = False  # its fd is closed, or being closed: never twice
@@ -181,6 +184,7 @@ class Reserver:
         self._closed = closed
         self._pending = 0
         self._closing = 0
+        self._closes_done = 0  # closes ended so far: a room check that raced one tries again
         self._parked: list[Reservation] = []  # chunks whose step waits for the closes under way to end
         self._stopping = False
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -197,8 +201,8 @@ class Reserver:
         """Bytes of freed chunks whose close has not ended: memory MemAvailable does not show as free yet."""
         return self._closing
 
-    def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes) -> Reservation:
-        reservation = Reservation(fd, nbytes, uid, handle)
+    def reserve(self, fd: int, nbytes: int, uid: int | None, handle: bytes, on_credit: bool = False) -> Reservation:
+        reservation = Reservation(fd, nbytes, uid, handle, on_credit=on_credit)
         with self._lock:
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < THREADS:
@@ -296,7 +300,7 @@ class Reserver:
                         if _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
                             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
                     self._room(sum(size for _, size in pieces))
-                elif self._room_short(reservation, pieces[0][1]):
+                elif reservation.on_credit and self._room_short(reservation, pieces[0][1]):
                     continue
                 for offset, size in pieces:
                     os.posix_fallocate(reservation.fd, offset, size)
@@ -309,22 +313,26 @@ class Reserver:
                 self._stepped(reservation, refill, pieces, done, error)
 
     def _room_short(self, reservation: Reservation, nbytes: int) -> bool:
-        """Before a reservation step: True where memory is short while closes are under way (the chunk
-        then waits for them, parked); AllocationFailed where it is short with none to wait for."""
+        """Before a step of a chunk admitted on credit: True where memory is short while closes are under
+        way (the chunk then waits for them, parked) or one ended during the check (it tries again);
+        AllocationFailed where it is short with none to wait for."""
+        closes_done = self._closes_done
         try:
             self._room(nbytes)
             return False
         except AllocationFailed:
             with self._lock:
-                if not self._closing:
+                if not self._closing and self._closes_done == closes_done:
                     raise
                 reservation.stepping = False
                 if reservation.freed:
                     self._closes.append(reservation)
                     self._lock.notify()
-                else:  # a zero() meanwhile queues nothing: its ranges wait with the chunk (see _queue)
+                elif self._closing:  # a zero() meanwhile queues nothing: its ranges wait with the chunk (_queue)
                     reservation.parked = True
                     self._parked.append(reservation)
+                else:
+                    self._queue(reservation)
             return True
 
     def _close(self, reservation: Reservation) -> None:
@@ -338,6 +346,7 @@ class Reserver:
             os.close(reservation.fd)
         with self._lock:
             self._closing -= reservation.reserved
+            self._closes_done += 1
             parked, self._parked = self._parked, []
             for waiting in parked:
                 waiting.parked = False

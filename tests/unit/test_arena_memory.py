@@ -539,7 +539,7 @@ def test_a_parked_chunk_zeroed_then_freed_is_closed_once_and_leaves_the_counts_w
         state.update(gated=fds[0], short=True)
         reserver.free(old)  # its close is under way, and stays so
         state["steps_allowed"] = 1
-        parked = reserver.reserve(fds[1], 4 << 20, 1000, b"parked")
+        parked = reserver.reserve(fds[1], 4 << 20, 1000, b"parked", on_credit=True)
         wait_for(lambda: parked in reserver._parked)
         assert parked.reserved == 1 << 20, "one step, then memory read short with a close under way: it waits"
         reserver.zero(parked, 0, 4096)  # a set in it was released
@@ -554,4 +554,51 @@ def test_a_parked_chunk_zeroed_then_freed_is_closed_once_and_leaves_the_counts_w
         assert len(given_back) == 2 and reserver.closing == 0 and reserver.pending == 0
     finally:
         gate.set()
+        reserver.close()
+
+
+def test_a_close_that_ends_during_a_chunks_room_check_lets_it_try_again_instead_of_failing(monkeypatch):
+    monkeypatch.setattr(hostreserve, "STEP_BYTES", 1 << 20)
+    released, state = threading.Event(), {"back": True, "racing": False}
+    fds = {}
+
+    class GatedCloses:
+        def close(self, fd):
+            if fd == fds.get("old"):
+                assert released.wait(10)
+                os.close(fd)
+                state["back"] = True  # its pages are free
+                return
+            os.close(fd)
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+    def room(nbytes):
+        if state["back"]:
+            return
+        if state["racing"]:  # memory read short, then the close ends before the chunk looks at the closes
+            state["racing"] = False
+            released.set()
+            wait_for(lambda: not reserver.closing)
+        raise AllocationFailed("memory is short")
+
+    monkeypatch.setattr(hostreserve, "os", GatedCloses())
+    reserver = hostreserve.Reserver(room=room)
+    try:
+        for name in ("old", "new"):
+            fds[name] = os.memfd_create(name)
+            os.ftruncate(fds[name], 2 << 20)
+        old = reserver.reserve(fds["old"], 2 << 20, None, b"old")
+        wait_for(lambda: reserver.ready(old))
+        state["back"] = False
+        reserver.free(old)
+        wait_for(lambda: reserver.closing)
+        state["racing"] = True
+        new = reserver.reserve(fds["new"], 2 << 20, None, b"new", on_credit=True)
+        wait_for(lambda: new.finished)
+        assert new.error is None and reserver.ready(new), "the memory came back: reserved, not failed"
+        reserver.free(new)
+    finally:
+        released.set()
         reserver.close()

@@ -795,3 +795,36 @@ def test_ranks_that_all_release_within_the_grace_leave_nobody(reg):
     release(reg, 1), release(reg, 0)
     assert bodies(reg.expire(LEAVE_GRACE_S)) == {}
     assert agree(reg, 0, group="g") == [], "nobody held the set after the grace: nobody left anyone"
+
+
+def test_a_rank_that_left_and_joins_a_new_set_of_the_group_takes_part_in_its_next_round(reg):
+    """The group is rebuilt: its ranks closed more than a second apart, so the first to close had left;
+    joining the new set brings it back, so the new set's first round is a real one."""
+    live_set(reg)
+    agree(reg, 0, group="g"), agree(reg, 1, group="g")
+    release(reg, 1)
+    reg.expire(LEAVE_GRACE_S)  # rank 0 still held it: rank 1 left
+    release(reg, 0)
+    for r in range(2):
+        join(reg, r, name="again")
+    for r in range(2):
+        commit(reg, r, name="again")
+    assert agree(reg, 0, group="g") == [], "the rank back in the group is waited for"
+    verdict = bodies(agree(reg, 1, group="g"))
+    assert verdict[("a", 0)] == verdict[("a", 1)] == {"ok": True, "reason": ""}
+
+
+def test_a_rank_back_from_leaving_never_enters_a_round_it_entered_already(reg):
+    """Its count never goes back: a call still waiting in its round keeps its place and gets its answer."""
+    live_set(reg)
+
+    def vote(rank, caller):
+        return reg.agree(caller, who(100 + rank), {"group": "g", "rank": rank, "npes": 2, "ok": True,
+                                                   "timeout": None}, 0.0)
+
+    assert vote(1, "first") == []  # rank 1 waits in round 1 for rank 0
+    release(reg, 1)  # another thread of it closed the buffer
+    reg.expire(LEAVE_GRACE_S)
+    assert vote(1, "second") == [], "round 2, not round 1 again"
+    assert bodies(vote(0, "zero-1")) == {"first": {"ok": True, "reason": ""}, "zero-1": {"ok": True, "reason": ""}}
+    assert set(bodies(vote(0, "zero-2"))) == {"second", "zero-2"}

@@ -1,0 +1,58 @@
+"""The client connection's requests left by other threads (finalizers): never stranded, never blocking."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+
+from peerd_client.connection import Connection
+
+
+def bare_connection(sent: list) -> Connection:
+    """A Connection without a daemon: what it would send is appended to ``sent``."""
+    conn = Connection.__new__(Connection)
+    conn._lock, conn._owner, conn._lost = threading.Lock(), None, None
+    conn._deferred = collections.deque()
+    conn._wake_r, conn._wake_w = socket.socketpair()
+    conn._wake_r.setblocking(False)
+    conn._wake_w.setblocking(False)
+    conn._check_lost = lambda: None
+    conn._send = lambda op, body: sent.append(body["who"])
+    return conn
+
+
+def test_a_request_left_while_another_thread_sends_the_deferred_ones_is_sent_too():
+    """The lost wake-up: thread T1 has sent what was left and not yet let go of the socket when a
+    finalizer on T2 leaves a release, fails to take the socket, and returns. T1 looks again after it
+    lets go, so the release goes out."""
+    sent: list = []
+    conn = bare_connection(sent)
+    drain, raced = Connection._send_deferred, []
+
+    def drain_then_race(self=conn):
+        drain(self)
+        if threading.current_thread().name == "T1" and not raced:
+            raced.append(True)
+            racer = threading.Thread(target=conn.send_later, args=("release", {"who": "T2"}), name="T2")
+            racer.start()
+            racer.join()
+
+    conn._send_deferred = drain_then_race
+    first = threading.Thread(target=conn.send_later, args=("release", {"who": "T1"}), name="T1")
+    first.start()
+    first.join(10)
+    assert sent == ["T1", "T2"] and not conn._deferred
+
+
+def test_a_finalizer_never_waits_for_a_thread_inside_a_call():
+    sent: list = []
+    conn = bare_connection(sent)
+    with conn._lock:  # another thread is inside a long call
+        done = threading.Thread(target=conn.send_later, args=("release", {"who": "finalizer"}))
+        done.start()
+        done.join(2)
+        assert not done.is_alive() and sent == [], "it returned at once, leaving the release to the holder"
+        assert conn._wake_r.recv(16) == b"\0", "and woke the holder"
+    conn._flush_deferred()  # what the holder does as it lets go
+    assert sent == ["finalizer"]
