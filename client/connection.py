@@ -76,7 +76,7 @@ class Connection:
         self._lost: str | None = None
         self._owner: int | None = None  # the thread inside call() or post(), if any
         # requests no one waits for, from threads that could not take the socket (a deque: appended without the
-        # lock); the thread holding it sends them, woken through the pipe if it is waiting (see send_later)
+        # lock); the thread holding it sends them, woken through the socket pair if it is waiting (see send_later)
         self._deferred: collections.deque[tuple[str, dict]] = collections.deque()
         self._wake_r, self._wake_w = socket.socketpair()  # objects: once closed, a late write fails, never lands
         self._wake_r.setblocking(False)  # on whatever file reused the number
@@ -157,7 +157,7 @@ class Connection:
         if self._lost == CLOSED:
             return
         self._lost = CLOSED  # PeerBuffers still holding this connection get DaemonUnavailable
-        self.hand_over_deferred()
+        self._hand_over_deferred()
         self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
@@ -236,7 +236,7 @@ class Connection:
         try:
             self._check_lost()
         except DaemonUnavailable:
-            self.hand_over_deferred()
+            self._hand_over_deferred()
             raise
         while self._deferred:
             self._send(*self._deferred.popleft())
@@ -252,7 +252,7 @@ class Connection:
             finally:
                 self._lock.release()
 
-    def hand_over_deferred(self) -> None:
+    def _hand_over_deferred(self) -> None:
         """This connection is gone: what other threads left for it waits for the next one."""
         while True:
             try:
@@ -293,7 +293,7 @@ class Connection:
 
         For finalizers, so it never waits: the request goes to the thread
         holding the socket, which sends it at once from its wait (woken
-        through a pipe) or before it lets go, or, where no thread holds the
+        through a socket pair) or before it lets go, or, where no thread holds the
         socket, out now from this one. A garbage-collection pass inside
         call() on this very thread is the first case. On a connection that
         was lost it waits for the next one.
@@ -305,7 +305,7 @@ class Connection:
             return  # inside call() on this thread: it sends it before it lets go
         self._flush_deferred()
         if self._lost == CLOSED:  # closed meanwhile: nobody holds this connection any more
-            self.hand_over_deferred()
+            self._hand_over_deferred()
 
 
 class Undelivered:

@@ -47,7 +47,7 @@ class Agreement:
     calls: dict[int, int] = field(default_factory=dict)  # rank -> rounds entered
     rounds: dict[int, Round] = field(default_factory=dict)  # numbered without gaps from ``floor``
     dead: dict[int, int] = field(default_factory=dict)  # rank -> pid, died
-    left: dict[int, str] = field(default_factory=dict)  # rank -> why it left the group, until it votes again
+    left: dict[int, str] = field(default_factory=dict)  # rank -> why it left the group, until it takes part again
     floor: int = 1  # the oldest round still kept
     beyond: int = 0  # rounds from this one on were False at once: too far ahead (0: none); see ``collect``
     beyond_reason: str = ""
@@ -307,10 +307,7 @@ class Agreements:
         """Every pending round the dead rank has not voted in is False now."""
         agreement.pids[rank] = agreement.dead[rank] = pid
         agreement.left.pop(rank, None)
-        out: Outbox = []
-        for rnd in agreement.rounds.values():
-            if rnd.result is None and rank not in rnd.votes:
-                out += rnd.finish(False, agreement.absences([rank]))
+        out = self._fail_rounds_missing(agreement, rank)
         # a member that exits between rounds is the normal end of a job, not news
         log.log(logging.WARNING if out else logging.DEBUG, "group=%s rank=%d pid=%d died%s", agreement.group,
                 rank, pid, " while its peers waited in an agreement" if out else "")
@@ -325,13 +322,19 @@ class Agreements:
                 or not agreement.present(rank):
             return []
         agreement.left[rank] = reason
-        out: Outbox = []
-        for rnd in agreement.rounds.values():
-            if rnd.result is None and rank not in rnd.votes:
-                out += rnd.finish(False, reason)
+        out = self._fail_rounds_missing(agreement, rank)
         if out:
             log.warning("group=%s agreement: %s while its peers waited in a round", group, reason)
         self._collect(agreement)
+        return out
+
+    @staticmethod
+    def _fail_rounds_missing(agreement: Agreement, rank: int) -> Outbox:
+        """Every pending round the absent ``rank`` has not voted in is False now, with why."""
+        out: Outbox = []
+        for rnd in agreement.rounds.values():
+            if rnd.result is None and rank not in rnd.votes:
+                out += rnd.finish(False, agreement.absences([rank]))
         return out
 
     def shutdown(self, error: ProtocolError) -> Outbox:

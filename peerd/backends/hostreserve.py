@@ -28,7 +28,9 @@ checks the memory first (``room``, counting every chunk admitted before it)
 and, where it is short while closes are under way, waits for them instead of
 failing; where it is still short once they ended (someone else holds a
 closed memfd's pages), it fails with the numbers. Other chunks never wait
-on it: they were admitted on memory that was there. The daemon's loop is woken through ``wake_fd`` each time a
+on it: they were admitted on memory that was there.
+
+The daemon's loop is woken through ``wake_fd`` each time a
 chunk's reservation ends (reserved, failed or stopped) and after each
 step of zeroing (a range done, or failed); ``woken`` names those chunks, so the loop asks
 only the sets waiting on them, and ``ready`` says, for a range, whether it may be handed
@@ -257,8 +259,7 @@ class Reserver:
             if reservation.stepping:
                 return  # the step's thread closes it (after its step)
             if not self._stopping:
-                self._closes.append(reservation)
-                self._lock.notify()
+                self._close_later(reservation)
                 return
         self._close(reservation)  # no thread is left to do it
 
@@ -326,14 +327,18 @@ class Reserver:
                     raise
                 reservation.stepping = False
                 if reservation.freed:
-                    self._closes.append(reservation)
-                    self._lock.notify()
+                    self._close_later(reservation)
                 elif self._closing:  # a zero() meanwhile queues nothing: its ranges wait with the chunk (_queue)
                     reservation.parked = True
                     self._parked.append(reservation)
                 else:
                     self._queue(reservation)
             return True
+
+    def _close_later(self, reservation: Reservation) -> None:
+        """A thread closes the freed chunk's memfd, before any step (under the lock)."""
+        self._closes.append(reservation)
+        self._lock.notify()
 
     def _close(self, reservation: Reservation) -> None:
         """Close a freed chunk's memfd once (the kernel frees its pages at the last close; a second
@@ -377,8 +382,7 @@ class Reserver:
             if reservation.finished:
                 self._wake(reservation)
         if reservation.freed:
-            self._closes.append(reservation)
-            self._lock.notify()
+            self._close_later(reservation)
         elif reservation.has_work:
             self._queue(reservation)  # the back of its uid's queue: every uid's chunks take turns
 
