@@ -16,7 +16,9 @@ worker that forked (a data loader) and exited leaves its socket to the
 child, which never speaks on it (peerd_client opens a connection of its own
 in a forked child; the daemon would name the dead opener as the caller of
 anything sent on it), yet it counted against the user's cap, until that
-user could not connect at all.
+user could not connect at all. The guard knows the opener by a pidfd, which
+turns readable when that process exits, though its parent never reaps it (a
+zombie keeps its pid) or its pid is another process's by then.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import logging
 import os
 import resource
+import select
 import socket
 import struct
 import threading
@@ -37,7 +40,7 @@ import zmq
 
 from .access import GroupSource, peer_groups
 from .tally import Tally
-from .trust import peer_credentials, pid_alive
+from .trust import peer_credentials, peer_pidfd, pid_alive
 
 log = logging.getLogger("peerd.connections")
 
@@ -48,8 +51,9 @@ FDS_RESERVED = 128
 #: blocks once the monitor's queue (1000 events, plus the guard's receive
 #: high-water mark of 1) is full
 MONITOR_LAG = 1024
-#: fds one connection may bring: its socket, a pidfd on its process, a buffer's fd
-FDS_PER_CONNECTION = 3
+#: fds one connection may bring: its socket, the guard's pidfd on its opener, the loop's pidfd on
+#: its process (peerd.liveness), a buffer's fd
+FDS_PER_CONNECTION = 4
 #: the default cap never exceeds this: past it, idle connections alone would
 #: cost the daemon more memory than its whole working set
 MAX_CONNECTIONS_CEILING = 4096
@@ -101,6 +105,14 @@ class ConnectionLimits:
                 f"{connections_within(fd_limit)}")
 
 
+@dataclass(frozen=True)
+class Opener:
+    """The process that made a connection: its pid (SO_PEERCRED) and a pidfd on it, or None where the
+    kernel gives none (the guard then looks its pid up)."""
+    pid: int
+    pidfd: int | None
+
+
 class ConnectionGuard:
     """Admits or shuts down each connection the ROUTER accepts; the loop only reads its counters."""
 
@@ -114,7 +126,7 @@ class ConnectionGuard:
         self._monitor.connect(address)
         self._lock = threading.Lock()
         self._uid_of: dict[int, int] = {}  # fd -> uid, for each connection let in
-        self._opener: dict[int, int] = {}  # fd -> pid of the process that connected (SO_PEERCRED)
+        self._opener: dict[int, Opener] = {}  # fd -> the process that connected; the guard's thread only
         self._next_sweep = 0.0
         self._address = ""  # the ROUTER's endpoint, as the monitor names it
         self._by_uid: Counter[int] = Counter()
@@ -147,6 +159,8 @@ class ConnectionGuard:
                 self._step()
             except zmq.ContextTerminated:  # the daemon is shutting down
                 self._monitor.close(linger=0)
+                for fd in list(self._opener):
+                    self._forget(fd)
                 return
             except Exception:  # a bug must cost one connection's check, never the cap (nor libzmq's I/O thread,
                 log.exception("the connection guard hit an error; guarding on")  # which waits on this queue)
@@ -168,12 +182,23 @@ class ConnectionGuard:
 
     def _sweep(self) -> None:
         """Shut down each connection whose opener exited (a forked child may hold it on)."""
-        for fd, pid in list(self._opener.items()):
-            if pid > 0 and not pid_alive(pid):  # 0: an opener in another pid namespace, never known dead
-                with _peer_at(fd, self._address) as peer:
-                    if peer is not None and peer_credentials(peer).pid == pid:  # not a number reused since
-                        peer.shutdown(socket.SHUT_RDWR)  # its EVENT_DISCONNECTED forgets it
-                        self._refused.add("their opener exited (a process it forked held them on)")
+        for fd in self._openers_exited():
+            with _peer_at(fd, self._address) as peer:
+                if peer is not None and peer_credentials(peer).pid == self._opener[fd].pid:  # not a new connection
+                    peer.shutdown(socket.SHUT_RDWR)  # its EVENT_DISCONNECTED forgets it
+                    self._refused.add("their opener exited (a process it forked held them on)")
+
+    def _openers_exited(self) -> list[int]:
+        """The connections whose opener exited: its pidfd is readable (one poll for all of them); without
+        one, its pid is gone (pid 0: an opener in another pid namespace, never known dead then)."""
+        poller, of_pidfd, exited = select.poll(), {}, []
+        for fd, opener in self._opener.items():
+            if opener.pidfd is not None:
+                poller.register(opener.pidfd, select.POLLIN)
+                of_pidfd[opener.pidfd] = fd
+            elif opener.pid > 0 and not pid_alive(opener.pid):
+                exited.append(fd)
+        return exited + [of_pidfd[pidfd] for pidfd, _ in poller.poll(0)]
 
     def _admit(self, fd: int, address: str) -> None:
         with _peer_at(fd, address) as peer:
@@ -185,7 +210,7 @@ class ConnectionGuard:
                 with self._lock:
                     self._uid_of[fd] = who.uid
                     self._by_uid[who.uid] += 1
-                    self._opener[fd] = who.pid
+                self._opener[fd] = Opener(who.pid, peer_pidfd(peer, who.pid))
                 return
             peer.shutdown(socket.SHUT_RDWR)  # libzmq sees EOF and closes its fd itself
         self._refused.add(why)
@@ -203,8 +228,10 @@ class ConnectionGuard:
         return None
 
     def _forget(self, fd: int) -> None:
+        opener = self._opener.pop(fd, None)
+        if opener is not None and opener.pidfd is not None:
+            os.close(opener.pidfd)
         with self._lock:
-            self._opener.pop(fd, None)
             uid = self._uid_of.pop(fd, None)
             if uid is not None:
                 self._by_uid[uid] -= 1

@@ -16,8 +16,9 @@ import threading
 
 from .connections import FDS_RESERVED, MONITOR_LAG
 
-#: fds the room leaves to each connection the caps admit: its socket, and a buffer fd on its way out
-FDS_LEFT_PER_CONNECTION = 2
+#: fds the room leaves to each connection the caps admit: its socket, the guard's pidfd on its opener
+#: (peerd.connections), and a buffer fd on its way out
+FDS_LEFT_PER_CONNECTION = 3
 #: the room never shrinks below this, so a daemon under an fd limit too low for its connection caps
 #: (it warns at start: peerd.connections) still serves a few processes
 MIN_ROOM = 128

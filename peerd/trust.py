@@ -75,6 +75,26 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+#: SO_PEERPIDFD (Linux 6.5), which Python's socket module does not name yet
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
+    """A pidfd on the process that made the connection ``sock``: the kernel's own (SO_PEERPIDFD), which
+    stays that process's whatever its pid becomes, else pidfd_open of ``pid`` (a number reused since
+    would fool it); None where neither works (the process is gone, or in another pid namespace)."""
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pass
+    if pid <= 0 or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
 def peer_credentials(sock: socket.socket) -> Credentials:
     """The uid, gid and pid of the process that made the connection ``sock``, as the kernel recorded
     them (SO_PEERCRED); OSError where the socket cannot tell."""

@@ -18,7 +18,8 @@ way), then keeps it up until it is killed:
   punch    the same with --nbytes sets, fetching each set's memfd over the fd channel and
            punching its pages out (the memory then reads as available again) before the next
   orphans  --count connections, each opened by a process that forks a child (which inherits it and
-           never speaks on it, as a data loader) and exits; the children live as long as this flooder
+           never speaks on it, as a data loader) and exits; the children live as long as this flooder,
+           and so do the openers as zombies with --unreaped (their pids stay taken)
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def orphans(args) -> None:
                 os.read(alive_r, 1)
                 os._exit(0)
             os._exit(0)
-        os.waitpid(worker, 0)  # reaped: no zombie keeps its pid alive
+        if not args.unreaped:
+            os.waitpid(worker, 0)
     ready(orphaned=args.count)
     hold()
 
@@ -228,6 +230,7 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--count", type=int, default=1)
     parser.add_argument("--nbytes", type=int, default=4096, help="each set's size (chunks, punch)")
+    parser.add_argument("--unreaped", action="store_true", help="never reap the openers (orphans)")
     parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it first")
     args = parser.parse_args()
     if args.as_user:

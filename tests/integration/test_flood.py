@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from peerd.connections import FDS_RESERVED, MONITOR_LAG
+from peerd.fdroom import FDS_LEFT_PER_CONNECTION
 from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
@@ -164,11 +166,14 @@ def test_connections_past_the_caps_are_shut_down_and_the_fd_limit_is_never_reach
     end(d, idle)
 
 
-def test_connections_whose_opener_exited_are_shut_down_though_a_forked_child_holds_them(procs, socket_dir, users):
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_connections_whose_opener_exited_are_shut_down_though_a_forked_child_holds_them(procs, socket_dir, users,
+                                                                                         reaped):
     """A worker that forks (a data loader) and exits leaves its connection to the child, which never speaks
-    on it: it counted against the user's cap until that user could not connect at all."""
+    on it: it counted against the user's cap until that user could not connect at all. An opener its parent
+    never reaps keeps its pid, as a zombie: it has exited all the same."""
     d = start_daemon(procs, socket_dir, "--max-connections-per-uid", "4")
-    orphans, _ = flood(procs, d, "orphans", users[BYSTANDER], 4)
+    orphans, _ = flood(procs, d, "orphans", users[BYSTANDER], 4, *([] if reaped else ["--unreaped"]))
     uid = int(users[BYSTANDER].split(":")[0])
 
     def held() -> int:
@@ -249,7 +254,7 @@ def test_control_page_areas_of_many_groups_never_take_the_fds_the_connections_ne
     d = start_daemon(procs, socket_dir, "--max-connections", "64", "--max-connections-per-uid", "32",
                      "--max-groups-per-uid", "2000", nofile=2048)
     room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
-    assert room == {"size": 2048 - 128 - 1024 - 2 * 64, "used": 0}, room
+    assert room == {"size": 2048 - FDS_RESERVED - MONITOR_LAG - FDS_LEFT_PER_CONNECTION * 64, "used": 0}, room
     holder, held = flood(procs, d, "groups", users[FLOODER], 1500)
     # an area a group: half the room, less the places the holder's own pidfd and its one chunk took first
     assert held == {"sets": 1500, "with_page": room["size"] // 2 - 2}, held
