@@ -9,12 +9,14 @@ Standard library only, as peerd.controlpage.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
 import os
 
 from .atomics import PageError, atomics
+from .punch import punch_out
 from .controlpage import MAGIC, OFF_MAGIC, OFF_SLOTS, SLOT_BYTES, VERSION, ControlPage, page_bytes
 
 #: slots per area: one fd and one mapping (and, on a GPU, one registration, which pins the whole area) serve
@@ -97,6 +99,12 @@ class Area:
             raise PageError(f"the control page is for set generation {page.generation}, not {generation}")
         page.hold(npes)
         return page
+
+    def give_back(self) -> None:
+        """Punch the pages out (the daemon, for an area no set uses any more): the members' mappings,
+        which outlive it, keep none of the memory the daemon filled, and read zero after."""
+        with contextlib.suppress(OSError):
+            punch_out(self.fd, 0, self.size)
 
     def close(self) -> None:
         """Unmap, and close the fd where this process holds it; no view of a page may be used after."""

@@ -294,6 +294,7 @@ class Pages:
         self._spares.discard(area.owner[0], area.id)
         for pid in area.mappers:
             self._of_pid.discard(pid, area.id)
+        area.area.give_back()  # a member that kept the area mapped (or its fd) would keep the daemon's memory
         area.area.close()
         self._fd_room.give()
         area.closed = True

@@ -17,6 +17,9 @@ way), then keeps it up until it is killed:
            refuses one or --count are held; READY says how many it holds and the refusal
   punch    the same with --nbytes sets, fetching each set's memfd over the fd channel and
            punching its pages out (the memory then reads as available again) before the next
+  keep     --count one-rank sets of --nbytes, each of its own group: fetches each set's memfd and its
+           control page area over the fd channel as its member may, keeps both fds and releases the set;
+           READY says how many sets it had and the bytes each kept fd still held once the daemon closed them
   orphans  --count connections, each opened by a process that forks a child (which inherits it and
            never speaks on it, as a data loader) and exits; the children live as long as this flooder,
            and so do the openers as zombies with --unreaped (their pids stay taken)
@@ -194,21 +197,54 @@ def chunks(args, punch: bool = False) -> None:
     hold()
 
 
-def _punch_out(fd_channel: str, slot: dict) -> None:
-    """Fetch the set's memfd as its member may (peerd.fdchannel's protocol) and give its pages back."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+def _fetch_fds(fd_channel: str, slot: dict) -> list[int]:
+    """The fds the daemon hands a member of ``slot`` (peerd.fdchannel's protocol)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
         conn.connect(fd_channel)
         conn.send(msgpack.packb(slot, use_bin_type=True))
         _, fds, _, _ = socket.recv_fds(conn, 1 << 16, 8)
-    for fd in fds:
+    return fds
+
+
+def _punch_out(fd_channel: str, slot: dict) -> None:
+    """Fetch the set's memfd as its member may and give its pages back."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    for fd in _fetch_fds(fd_channel, slot):
         assert libc.fallocate(fd, 0x02 | 0x01, 0, os.fstat(fd).st_size) == 0, os.strerror(ctypes.get_errno())
         os.close(fd)  # PUNCH_HOLE | KEEP_SIZE
 
 
 def punch(args) -> None:
     chunks(args, punch=True)
+
+
+def keep(args) -> None:
+    sock, ids, refusal, sets = _dealer(args), iter(range(1, 3 * args.count + 1)), None, 0
+    chunk_fds, area_fds = [], []
+    for i in range(args.count):
+        slot = _own_group(i)
+        sock.send(request(next(ids), "join", {**slot, "npes": 1, "nbytes": args.nbytes, "device": "host"}))
+        reply = msgpack.unpackb(sock.recv())
+        if not reply["ok"]:
+            refusal = reply["error"]
+            break
+        sock.send(request(next(ids), "commit", {**slot, "ok": True}))
+        _expect_ok(sock, 1)
+        chunk_fds += _fetch_fds(args.socket + ".fd", slot)
+        area_fds.append(_fetch_fds(args.socket + ".fd", {**slot, "page": True})[0])  # then the alive pipe's
+        sock.send(request(next(ids), "release", {**slot, "set": reply["body"]["set"]}))
+        _expect_ok(sock, 1)
+        sets += 1
+
+    def held(fds: list[int]) -> list[int]:
+        return [os.fstat(fd).st_blocks * 512 for fd in fds]
+
+    deadline = time.monotonic() + 20
+    while any(held(chunk_fds)) and time.monotonic() < deadline:  # the daemon closes them on threads
+        time.sleep(0.1)
+    ready(sets=sets, refusal=refusal, chunks=held(chunk_fds), areas=held(area_fds))
+    hold()
 
 
 def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
@@ -221,7 +257,7 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
 
 
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks, "punch": punch, "orphans": orphans}
+         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep}
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Host chunks' pages reserved, zeroed and freed off the daemon's loop, in steps, taking turns by uid.
 
 Why: ``posix_fallocate`` of a memfd costs the kernel about 0.25 s per GiB,
-and the last close of a reserved memfd about half that. On the daemon's loop
+and giving a reserved memfd's pages back about half that. On the daemon's loop
 one user's 16 GiB buffer stalled every other user's setup, agreement and
 death notice for seconds; on a plain thread pool it held up every other
 user's reservations instead, and a chunk freed while it was still being
@@ -21,13 +21,14 @@ close is reported (``closed``: the daemon's fd room gets its place back).
 ``pending`` counts the bytes still to reserve, which MemAvailable does not
 show yet: a chunk's rest, and the ranges a step has punched out and not yet
 reserved again; ``closing`` the bytes of freed chunks whose close has not
-ended, which MemAvailable does not show as free yet. A chunk may be admitted
+ended, which MemAvailable does not show as free yet. A close punches the pages out first, so a member
+that kept the chunk's fd keeps none of them. A chunk may be admitted
 on the memory a close is about to give back (``on_credit``: a set's first
 try after empty chunks went back for it), so each step of such a chunk
 checks the memory first (``room``, counting every chunk admitted before it)
 and, where it is short while closes are under way, waits for them instead of
-failing; where it is still short once they ended (someone else holds a
-closed memfd's pages), it fails with the numbers. Other chunks never wait
+failing; where it is still short once they ended (the memory went to
+others meanwhile), it fails with the numbers. Other chunks never wait
 on it: they were admitted on memory that was there.
 
 The daemon's loop is woken through ``wake_fd`` each time a
@@ -50,6 +51,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from ..punch import punch_out
 from . import AllocationFailed
 
 #: threads reserving and closing at once
@@ -58,12 +60,6 @@ THREADS = 4
 STEP_BYTES = 64 << 20
 #: freed ranges one step zeroes at most (two syscalls each): thousands of 4 KiB ones cost more than their bytes
 STEP_RANGES = 512
-#: fallocate(2) mode that frees a range's pages, keeping the file's size (allowed on a memfd sealed against
-#: resizing)
-PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 class Ranges:
@@ -298,8 +294,7 @@ class Reserver:
             try:
                 if refill:  # punched out first (they read zero), then reserved again where memory allows
                     for offset, size in pieces:
-                        if _libc.fallocate(reservation.fd, PUNCH_HOLE, offset, size) != 0:
-                            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                        punch_out(reservation.fd, offset, size)
                     self._room(sum(size for _, size in pieces))
                 elif reservation.on_credit and self._room_short(reservation, pieces[0][1]):
                     continue
@@ -341,13 +336,17 @@ class Reserver:
         self._lock.notify()
 
     def _close(self, reservation: Reservation) -> None:
-        """Close a freed chunk's memfd once (the kernel frees its pages at the last close; a second
-        close could hit whatever reused the number), then let the chunks parked for memory try again."""
+        """Punch a freed chunk's pages out and close its memfd, once (a second close could hit whatever
+        reused the number), then let the chunks parked for memory try again. Why punch: a member may keep
+        the fd it was handed, and the last close alone would leave the pages, charged to the daemon, to
+        that process, past every cap; punched, they are back at once, and a page the member touches again
+        is its own (reading zero)."""
         with self._lock:
             if reservation.closed:
                 return
             reservation.closed = True
         with contextlib.suppress(OSError):
+            punch_out(reservation.fd, 0, reservation.nbytes)
             os.close(reservation.fd)
         with self._lock:
             self._closing -= reservation.reserved

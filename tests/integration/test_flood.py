@@ -27,6 +27,7 @@ import pytest
 
 from peerd.connections import FDS_RESERVED, MONITOR_LAG
 from peerd.fdroom import FDS_LEFT_PER_CONNECTION
+from peerd.pages import SPARE_AREAS_PER_UID
 from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
@@ -325,6 +326,24 @@ def test_ls_and_evict_page_through_thousands_of_sets_with_the_longest_keys(procs
     holder.kill()
     holder.wait(timeout=30)
     assert d.stop() == 0, d.logs()[-3000:]
+
+
+def test_a_member_that_keeps_its_memfds_after_release_holds_none_of_the_daemons_memory(procs, socket_dir, users):
+    """A member may keep the memfds it was handed (a chunk's, its group's control page area) after its set
+    is released: the daemon's close dropped only its own reference, so the pages, charged to the daemon,
+    stayed with that process past every cap. A user cycling 64 MiB sets in a 1 GiB cgroup had the daemon
+    refuse everyone once 900 MiB were kept. A chunk or an area the daemon closes is punched out first."""
+    with memory_cgroup(1 << 30) as cgroup:
+        d = start_daemon(procs, socket_dir, "--arena-idle-s", "0", cgroup=cgroup)
+        count = SPARE_AREAS_PER_UID + 8  # past the spares a uid keeps, the oldest areas close
+        keeper, held = flood(procs, d, "keep", users[FLOODER], count, "--nbytes", str(64 * MiB))
+        assert (held["sets"], held["refusal"]) == (count, None), held
+        assert held["chunks"] == [0] * count, held  # every chunk closed: its pages went with it
+        assert held["areas"][:8] == [0] * 8 and all(held["areas"][8:]), held  # the spares stay as they are
+        served = run_ranks(d, "exchange", 2, "--group", "beside-keeper", "--nbytes", str(256 * MiB),
+                           "--as-user", users[BYSTANDER])
+        assert all(r["ok"] for r in served), served
+        end(d, keeper)
 
 
 def test_members_punching_their_chunks_never_make_the_daemon_promise_more_than_its_memory(procs, socket_dir, users):
