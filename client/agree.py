@@ -7,6 +7,7 @@ import os
 import time
 
 from peerd.ops import OPS
+from peerd.pageagree import PageVoter
 from peerd.protocol import ProtocolError, check_fields
 
 from .connection import GRACE_S, connection
@@ -36,9 +37,10 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     except ProtocolError as err:
         raise MonoUnsupported(err.message, err.code.value) from None
     link = link_for(group) if isinstance(group, str) else None
-    if link is not None and link.voter is not None and not link.daemon_gone and \
+    voter = link.voter if link is not None else None  # once: another thread's close() may clear it
+    if voter is not None and not link.daemon_gone and \
             (rank, npes) in ((None, None), (link.rank, link.npes)):  # a decode step's guard: nothing to resolve
-        return _round_on_page(link, group, bool(ok), timeout or link.agreement_timeout)
+        return _round_on_page(voter, group, bool(ok), timeout or link.agreement_timeout)
     conn = connection()
     timeout = timeout or conn.hello["agreement_timeout"]  # decided here and sent: the daemon waits as long
     member = resolve(group, rank, npes, timeout + GRACE_S)
@@ -74,17 +76,19 @@ def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | 
                     "is instance %s (it restarted): build the PeerBuffer again", member.key,
                     f"{link.instance:#x}" if link.instance else "unknown", f"{instance:#x}" if instance else "unknown")
         return False
-    if link.voter is None:
+    voter = link.voter
+    if voter is None:
         return None
     if link.daemon_gone:
         raise DaemonUnavailable(f"the peerd daemon (instance {link.instance:#x}) that made group={member.key}'s "
                                 "control page went away: build the PeerBuffer again once a daemon runs")
-    return _round_on_page(link, member.key, ok, timeout)
+    return _round_on_page(voter, member.key, ok, timeout)
 
 
-def _round_on_page(link: GroupLink, key: str, ok: bool, timeout: float) -> bool:
-    """The next round on the link's page; a False verdict's reason is logged."""
-    verdict = link.voter.agree(ok, time.monotonic() + timeout)
+def _round_on_page(voter: PageVoter, key: str, ok: bool, timeout: float) -> bool:
+    """The next round on a link's page (its voter, read once: another thread's close() may clear the
+    link's); a False verdict's reason is logged."""
+    verdict = voter.agree(ok, time.monotonic() + timeout)
     if not verdict.ok:
         log.warning("tp_agree on group=%s is False: %s", key, verdict.reason)
     return verdict.ok

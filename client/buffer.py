@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from peerd.backends import mapper as backend_mapper
 from peerd.fdchannel import fetch_fds
@@ -187,8 +188,6 @@ class PeerBuffer:
         the votes; dropped if the commit fails."""
         self._pointers = pointers
         self._local = pointers[self.rank]
-        # a view, not an owner: close() unmaps the memory under it
-        self._bytes = byte_view(self._local, self.nbytes, self.device)
         torch = require_torch()
         # queued on the device's current stream, not waited for: with several processes on one GPU a
         # blocking copy waits for this context's time slice (about 0.8 ms of an 8-rank setup on an H200)
@@ -238,9 +237,19 @@ class PeerBuffer:
 
     @property
     def bytes(self):
-        """A torch uint8 view of this rank's buffer (None once closed)."""
+        """A torch uint8 view of this rank's buffer (None once closed). The view keeps this PeerBuffer,
+        and so the mapping under it, alive, as a torch tensor keeps its storage: a view that outlived
+        a collected buffer read unmapped memory (close() still unmaps under it, as documented). The
+        buffer holds the view weakly, so the two never keep each other alive."""
         self._guard()
-        return getattr(self, "_bytes", None)
+        if not getattr(self, "_local", 0):
+            return None
+        known = getattr(self, "_bytes", None)
+        view = known() if known is not None else None
+        if view is None:
+            view = byte_view(self._local, self.nbytes, self.device, owner=self)
+            self._bytes = weakref.ref(view)
+        return view
 
     @property
     def addresses(self):

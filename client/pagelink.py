@@ -226,11 +226,11 @@ def link_for(key: str) -> GroupLink | None:
     """The group's oldest open link of the newest daemon run among them: every rank opened its
     sets in the same order. A set kept open across a daemon restart serves no vote once a set of
     the new run is open (its votes would be False, or DaemonUnavailable, for good)."""
-    links = _links.get(key)
+    links = list(_links.get(key, ()))  # a copy: another thread (or a finalizer) may close one meanwhile
     if not links:
         return None
     newest = links[-1].instance
-    return next(link for link in links if link.instance == newest)
+    return next((link for link in links if link.instance == newest), None)
 
 
 def _forget_after_fork() -> None:

@@ -41,7 +41,7 @@ def run(group: str, rank: int, npes: int, nbytes: int, device: str | None) -> di
     start = time.perf_counter()
     seen = []
     for peer, address in enumerate(buf.addresses.tolist()):
-        view = byte_view(address, nbytes, dev)  # a device read through the peer's mapping
+        view = byte_view(address, nbytes, dev, owner=buf)  # a device read through the peer's mapping
         seen.append(bool((view == peer + 1).all()))
     sync()
     times["read_ms"] = (time.perf_counter() - start) * 1e3

@@ -62,9 +62,14 @@ class _DeviceBytes:
         }
 
 
-def byte_view(address: int, nbytes: int, device):
-    """A non-owning torch uint8 tensor over nbytes at address on device."""
+def byte_view(address: int, nbytes: int, device, owner: object = None):
+    """A torch uint8 tensor over nbytes at address on device that keeps ``owner`` (what maps the memory,
+    if given) alive: the tensor holds the object it was made from, which holds ``owner``."""
     torch = require_torch()
     if device.type == "cpu":
-        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
-    return torch.as_tensor(_DeviceBytes(address, nbytes), device=device)
+        memory = (ctypes.c_uint8 * nbytes).from_address(address)
+        memory.owner = owner
+        return torch.frombuffer(memory, dtype=torch.uint8)
+    memory = _DeviceBytes(address, nbytes)
+    memory.owner = owner
+    return torch.as_tensor(memory, device=device)

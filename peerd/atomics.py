@@ -13,6 +13,8 @@ import platform
 _ACQUIRE, _RELEASE, SEQ_CST = 2, 3, 5  # C11 memory orders, as libatomic takes them
 _FUTEX_WAKE = 1  # without FUTEX_PRIVATE_FLAG: shared between processes
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
+#: madvise(2): a forked child gets no copy of the mapping (the same number on x86_64 and aarch64)
+MADV_DONTFORK = 10
 
 
 class PageError(RuntimeError):
@@ -51,6 +53,8 @@ class _Atomics:
         self.mmap.restype, self.mmap.argtypes = vp, [vp, ctypes.c_size_t, i, i, i, ctypes.c_long]
         self.munmap = libc.munmap
         self.munmap.argtypes = [vp, ctypes.c_size_t]
+        self.madvise = libc.madvise
+        self.madvise.argtypes = [vp, ctypes.c_size_t, i]
 
     # The orders the page needs, each as cheap as the CPU allows. On x86-64 (TSO)
     # every plain aligned load is an acquire and every plain store a release, so

@@ -15,7 +15,7 @@ import fcntl
 import mmap
 import os
 
-from .atomics import PageError, atomics
+from .atomics import MADV_DONTFORK, PageError, atomics
 from .punch import punch_out
 from .controlpage import MAGIC, OFF_MAGIC, OFF_SLOTS, SLOT_BYTES, VERSION, ControlPage, page_bytes
 
@@ -27,9 +27,12 @@ MEMFD_NAME = "controlpage"
 
 
 def _mmap(fd: int, size: int) -> int:
+    """Map the area, for this process only: a forked child that kept it would keep its memory and could
+    write into its group's votes."""
     address = atomics().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if address in (None, ctypes.c_void_p(-1).value):
         raise PageError(f"mmap of the control page area failed: {os.strerror(ctypes.get_errno())}")
+    atomics().madvise(address, size, MADV_DONTFORK)  # it fails only for a range that is not this mapping
     return address
 
 

@@ -73,7 +73,7 @@ def keep(args) -> dict:
     assert tp_agree(True, args.group), "barrier failed"
     print("READY", flush=True)
     sys.stdin.readline()
-    intact = [bool((byte_view(pointer, args.nbytes, buf.device) == rank + 1).all())
+    intact = [bool((byte_view(pointer, args.nbytes, buf.device, owner=buf) == rank + 1).all())
               for rank, pointer in enumerate(buf.pointers)]
     buf.close()
     return {"intact": intact}

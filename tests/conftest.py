@@ -135,6 +135,14 @@ class Daemon:
         """Host buffers this daemon still holds: the inodes of its memfds."""
         return sorted(memfds(self.proc.pid).values())
 
+    def settled_segments(self, timeout: float = 10) -> list[int]:
+        """The segments still held once the closes under way ended: the daemon closes a freed chunk's
+        memfd on a thread, after punching its pages out (peerd.backends.hostreserve)."""
+        deadline = time.monotonic() + timeout
+        while (held := self.segments()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return held
+
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "peerd", *args], env=self.env(), capture_output=True, text=True, timeout=timeout

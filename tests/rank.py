@@ -112,6 +112,60 @@ def dropped(args) -> dict:
     return {"left": [g for g in listing if g["group"] == args.group]}
 
 
+def outlived(args) -> dict:
+    """Keep only the buffer's bytes view: the buffer (and the mapping under the view) lives as long as
+    the view, and is released once the view goes too."""
+    import gc
+
+    from peerd_client import PeerBuffer, tp_agree
+    from peerd_client.connection import connection
+
+    def listed() -> list:
+        return [g for g in connection().call("ls", {})["groups"] if g["group"] == args.group]
+
+    view = PeerBuffer(args.nbytes, args.group, args.rank, args.npes).bytes
+    gc.collect()
+    view.fill_(args.rank + 1)  # where collection had unmapped it: SIGSEGV
+    filled = bool((view == args.rank + 1).all())
+    assert tp_agree(True, args.group, args.rank, args.npes)  # every rank has looked
+    held = listed()
+    del view
+    gc.collect()
+    assert tp_agree(True, args.group, args.rank, args.npes)  # every rank dropped its view
+    return {"filled": filled, "held": len(held), "left": listed()}
+
+
+def close_race(args) -> dict:
+    """One thread votes in a loop on a one-rank group while another closes its buffer, 100 times: whatever
+    the voter meets is an answer or a MonoUnsupported (an AttributeError or a bare StopIteration was not)."""
+    import threading
+
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    unexpected = []
+    for i in range(100):
+        group, stop = f"{args.group}-{i}", threading.Event()
+        buf = PeerBuffer(4096, group, 0, 1)
+
+        def vote() -> None:
+            while not stop.is_set():
+                try:
+                    tp_agree(True, group, timeout=2)
+                except MonoUnsupported:
+                    return
+                except Exception as err:
+                    unexpected.append(f"{type(err).__name__}: {err}")
+                    return
+
+        voter = threading.Thread(target=vote)
+        voter.start()
+        time.sleep(0.002)
+        buf.close()
+        stop.set()
+        voter.join()
+    return {"unexpected": unexpected}
+
+
 def no_torch(args) -> dict:
     """PeerBuffer where torch cannot be imported; tp_agree must still work."""
     sys.modules["torch"] = None  # makes `import torch` raise ImportError
@@ -336,6 +390,8 @@ def forked(args) -> dict:
         os.close(read)
         said = {}
         try:
+            with open("/proc/self/maps") as maps:  # the parent's chunk and control page area stay with it
+                said["mapped"] = [" ".join(line.split()[5:]) for line in maps if "/memfd:peerd" in line or "/memfd:controlpage" in line]
             try:
                 buf.addresses
                 said["verdict"] = "no error"
@@ -577,6 +633,8 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "outlived": outlived,
+    "close_race": close_race,
     "interruptible": interruptible,
     "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,

@@ -48,6 +48,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..arena import OverCap
+from ..atomics import MADV_DONTFORK
 from ..index import tally
 from ..sizes import human
 from . import Mapper as MapperBase
@@ -269,6 +270,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -285,6 +287,9 @@ class Mapper(MapperBase):
         if address in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of host chunk {handle.hex()} ({size} bytes) failed: {os.strerror(err)}")
+        # a forked child (a data loader) would keep the chunk's pages mapped, writable, for its whole life,
+        # after its parent released them; it may not touch them anyway (ForkedProcessError)
+        _libc.madvise(address, size, MADV_DONTFORK)  # it fails only for a range that is not this mapping
         return address
 
     def close(self, address: int, size: int) -> None:

@@ -345,8 +345,9 @@ class Reserver:
             if reservation.closed:
                 return
             reservation.closed = True
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # a bad fd: the close fails alike
             punch_out(reservation.fd, 0, reservation.nbytes)
+        with contextlib.suppress(OSError):
             os.close(reservation.fd)
         with self._lock:
             self._closing -= reservation.reserved

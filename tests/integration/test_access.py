@@ -92,7 +92,7 @@ def test_the_socket_group_or_an_allowed_uid_is_admitted(socket_dir, probe_user, 
     try:
         result = run_ranks(d, "exchange", 2, "--group", "guest", *as_user(probe_user))
         assert all(r["ok"] for r in result), result
-        assert d.segments() == []
+        assert d.settled_segments() == []
     finally:
         assert d.stop() == 0
 
@@ -159,7 +159,7 @@ def test_two_users_use_the_same_key_at_once_each_in_a_namespace_of_their_own(soc
             p.stdin.write("go\n")
             p.stdin.flush()
             assert finish(p)["ok"]
-        assert json.loads(d.cli("ls", "--json").stdout) == [] and d.segments() == []
+        assert json.loads(d.cli("ls", "--json").stdout) == [] and d.settled_segments() == []
     finally:
         assert d.stop() == 0, d.logs()
 
@@ -218,7 +218,7 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
         assert result.returncode == 0, result.stderr
         assert "WARNING" in result.stderr and str(holders[0].pid) in result.stderr
         assert "evicted group=stuck name=default" in result.stdout
-        assert d.segments() == [] and json.loads(d.cli("ls", "--json").stdout) == []
+        assert d.settled_segments() == [] and json.loads(d.cli("ls", "--json").stdout) == []
         assert "evicts group=stuck" in d.logs() and "may still touch the freed memory" in d.logs()
         assert d.cli("evict", "stuck", "--yes").returncode == 1, "nothing left to evict"
         for p in holders:  # now they close, after the eviction
@@ -246,6 +246,6 @@ def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_grou
         results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
                             f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
         assert all(r["ok"] for r in results), results
-        assert d.segments() == [], "the daemon freed every buffer"
+        assert d.settled_segments() == [], "the daemon freed every buffer"
     finally:
         assert d.stop() == 0, d.logs()

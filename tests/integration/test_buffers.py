@@ -20,7 +20,7 @@ def test_every_rank_reads_what_every_peer_wrote(daemon, npes):
         assert r["local_is_mine"] and r["rank"] == rank and r["npes"] == npes and r["nbytes"] == nbytes
         assert r["addresses_dtype"] == "torch.int64" and len(set(r["addresses"])) == npes
         assert r["closed"], "close() twice must leave the buffer closed, not raise"
-    assert daemon.segments() == [], "segments left after every rank released"
+    assert daemon.settled_segments() == [], "segments left after every rank released"
     assert daemon.cli("ls", "--json").stdout.strip() == "[]"
 
 
@@ -53,7 +53,7 @@ def test_mismatched_nbytes_fails_every_rank(daemon):
     for r in (finish(r0), finish(r1)):
         assert not r["ok"] and r["type"] == "MonoUnsupported" and r["code"] == "MISMATCH", r
         assert "nbytes=8192 but rank 0 (pid" in r["message"] and "nbytes=4096" in r["message"]
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def test_mismatched_npes_fails_every_rank(daemon):
@@ -71,7 +71,7 @@ def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(daemon):
         assert not r["ok"] and r["code"] == "TIMEOUT", r
         assert "rank(s) [1, 3] of 4 never joined" in r["message"]
         assert "rank 0 (pid" in r["message"] and "rank 2 (pid" in r["message"]
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def test_rank_out_of_range_and_rank_taken(daemon):
@@ -94,11 +94,11 @@ def test_several_named_buffer_sets_per_group_and_the_process_group_form(daemon, 
         assert r["seen"] == [1, 2, 100, 101]
     assert results[0]["key"] == results[1]["key"] and results[0]["key"].startswith("pg-")
     assert [r["rank"] for r in results] == [0, 1] and {r["npes"] for r in results} == {2}
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def test_a_released_set_can_be_joined_again(daemon):
     for attempt in range(2):
         results = run_ranks(daemon, "exchange", 2, "--group", "again")
         assert all(r["ok"] for r in results), results
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []

@@ -89,7 +89,7 @@ def kill_one_rank(daemon, step: str, victim: int, group: str) -> None:
         else:
             assert result["code"] == code and words in result["message"], (step, rank, result)
     wait_until(lambda: held_by(daemon, group) == [], 10, f"the daemon to hold nothing for {group}")
-    assert daemon.segments() == [], f"shared memory left after {step}"
+    assert daemon.settled_segments() == [], f"shared memory left after {step}"
 
 
 def test_one_rank_killed_at_every_protocol_step(daemon):

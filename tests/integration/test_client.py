@@ -10,7 +10,19 @@ from tests.conftest import Daemon, run_ranks
 def test_garbage_collection_releases_a_dropped_buffer(daemon):
     results = run_ranks(daemon, "dropped", 2, "--group", "gc")
     assert [r["left"] for r in results] == [[], []], results
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
+
+
+def test_a_bytes_view_keeps_its_buffer_alive_and_the_buffer_goes_with_it(daemon):
+    """A view of a collected buffer read memory unmapped under it (128 MiB: a chunk of its own, unmapped at
+    release), a SIGSEGV; a torch tensor keeps its storage, so the view keeps its buffer."""
+    results = run_ranks(daemon, "outlived", 2, "--group", "outlived", "--nbytes", str(128 << 20))
+    assert [(r.get("filled"), r.get("held"), r.get("left")) for r in results] == [(True, 1, [])] * 2, results
+
+
+def test_a_buffer_closed_while_another_thread_votes_on_its_group_never_breaks_the_vote(daemon):
+    (result,) = run_ranks(daemon, "close_race", 1, "--group", "close-race", timeout=120)
+    assert result.get("unexpected") == [], result
 
 
 def test_no_daemon_is_daemon_unavailable_saying_how_to_start_one(socket_dir):

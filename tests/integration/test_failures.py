@@ -30,7 +30,7 @@ def test_a_rank_killed_in_the_rendezvous_fails_every_waiting_rank_at_once(daemon
     result = finish(waiting, timeout=30)  # far inside the 120 s rendezvous timeout
     assert result["code"] == "RANK_DIED", result
     assert f"rank 1 (pid {victim.pid})" in result["message"] and "before every rank joined" in result["message"]
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def test_a_rank_that_dies_after_ready_counts_as_released_and_its_memory_stays(daemon):
@@ -83,11 +83,12 @@ def test_a_forked_child_gets_a_clear_error_and_leaves_the_parent_alone(daemon):
     for r in results:
         assert r["ok"], r
         assert "is a forked child and shares none of its mappings" in r["child"]["verdict"]
+        assert r["child"]["mapped"] == [], "a forked child would keep the memory its parent released"
         assert r["child"]["own"] is True and r["child_status"] == 0
         assert "is a forked child and holds none of its ranks" in r["child"]["agree"], r
         assert r["child"]["vote"] == "NOT_MEMBER", "only the process holding a rank may vote for it"
         assert r["agreed"] is True and r["pointers"] == 2, "the parents' rounds are unaffected"
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def _dealer(path: str) -> zmq.Socket:
@@ -198,7 +199,7 @@ def test_a_rank_resumed_after_its_deadline_sees_the_verdict_and_holds_nothing(da
         for p in ranks:
             _say(p)
             finish(p)
-    assert daemon.segments() == []
+    assert daemon.settled_segments() == []
 
 
 def test_a_call_past_its_deadline_still_reads_the_answer_that_came(daemon):
@@ -287,7 +288,7 @@ def test_ranks_that_close_while_the_daemon_is_stopped_are_released_once_it_resum
             _line(p, "CLOSED")  # close() returned at once, the daemon still stopped
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    wait_until(lambda: _held(daemon) == [] and daemon.segments() == [], 30, "the set to be released")
+    wait_until(lambda: _held(daemon) == [] and daemon.settled_segments() == [], 30, "the set to be released")
     assert all(p.poll() is None for p in ranks), "released by the ranks' close(), not by their exit"
     assert "stalled" not in daemon.cli("ls").stdout
     for p in ranks:

@@ -132,7 +132,7 @@ def test_a_user_of_the_socket_group_cannot_reach_another_users_buffers(socket_di
         assert seen["fetch"] in ("NOT_MEMBER", "NOT_FOUND"), seen
         assert seen["proc_fd"] == ["EACCES"], seen
         assert all(r["ok"] for r in let_go(ranks))
-        assert d.segments() == []
+        assert d.settled_segments() == []
     finally:
         for p in ranks:  # a failed assertion must not leave A's processes behind (userdel refuses then)
             p.kill()
@@ -188,7 +188,7 @@ def test_a_killed_daemon_leaves_no_memory_and_a_restart_even_on_its_pid_starts_c
     assert os.path.exists(fd_socket_path(daemon.socket)), "a SIGKILLed daemon leaves its fd channel's socket"
 
     start_on_pid(daemon, old_pid)  # whether or not it got the pid: nothing is keyed on it
-    assert daemon.segments() == [] and json.loads(daemon.cli("ls", "--json").stdout) == []
+    assert daemon.settled_segments() == [] and json.loads(daemon.cli("ls", "--json").stdout) == []
     assert named_in_shm(old_pid) == []
     assert all(r["ok"] for r in run_ranks(daemon, "exchange", 2, "--group", "after-crash"))
 
@@ -245,7 +245,7 @@ def test_the_fd_channel_drops_oversized_idle_and_excess_connections_and_serves_o
     assert closed(chatty), "one answer per connection, then it is closed"
     chatty.close()
     os.close(planted)
-    assert daemon.segments() == [], "the daemon kept no fd a client sent it"
+    assert daemon.settled_segments() == [], "the daemon kept no fd a client sent it"
     assert fetch_code(path, {"group": "nobody", "name": "default", "rank": 0}) == "NOT_FOUND"
     assert daemon.cli("status").returncode == 0
 
