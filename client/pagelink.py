@@ -140,6 +140,12 @@ class GroupLink:
         return self._watch is not None and self._watch.gone
 
     @property
+    def aborted(self) -> bool:
+        """The daemon aborted the set's page: no round on it passes again."""
+        page = self.page
+        return page is not None and page.aborted_at is not None
+
+    @property
     def abort_source(self):
         """What all_reduce polls: the GPU mapping, else the page itself, else None."""
         return self.mapped or self.page
@@ -223,14 +229,18 @@ def close_link(key: str, link: GroupLink) -> None:
 
 
 def link_for(key: str) -> GroupLink | None:
-    """The group's oldest open link of the newest daemon run among them: every rank opened its
-    sets in the same order. A set kept open across a daemon restart serves no vote once a set of
-    the new run is open (its votes would be False, or DaemonUnavailable, for good)."""
+    """The group's oldest open link of the newest daemon run among them whose page the daemon did not
+    abort: every rank opened its sets in the same order. A set kept open across a daemon restart, or
+    whose page was aborted (a peer left it, then built another set of the group with this process),
+    serves no vote once another is open: its votes would be False, or DaemonUnavailable, for good,
+    while the peer votes on the other set's page. Where every page is aborted, the oldest answers."""
     links = list(_links.get(key, ()))  # a copy: another thread (or a finalizer) may close one meanwhile
     if not links:
         return None
-    newest = links[-1].instance
-    return next((link for link in links if link.instance == newest), None)
+    newest = [link for link in links if link.instance == links[-1].instance]
+    if len(newest) == 1:  # a group's one set: the common case, and the cheapest
+        return newest[0]
+    return next((link for link in newest if not link.aborted), newest[0])
 
 
 def _forget_after_fork() -> None:

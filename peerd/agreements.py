@@ -134,6 +134,8 @@ class Agreements:
         out, agreement = self._agreement_for(caller, pid, uid, group, rank, npes)
         if agreement is None:
             return out
+        if holders and agreement.pids.get(rank, pid) not in holders:  # another process holds the rank now (the
+            self._hand_over(agreement, rank, pid)  # one that voted released it): it goes on from the rank's count
         if agreement.npes != npes:
             message = f"rank {rank} of group={group} agrees with npes={npes} but the group has npes={agreement.npes}"
             return out + [refuse(caller, ErrorCode.MISMATCH, message)]
@@ -159,10 +161,10 @@ class Agreements:
             if refusal:
                 return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
             rnd = agreement.rounds[k] = Round(npes)
-            timeout = req["timeout"] or self._waits.agreement
-            rnd.on_settle = self._open_round(
-                uid, now + timeout, lambda t, a=agreement, k=k: self._round_due(a, k, timeout)
-            )
+            self._quotas.count_open_round(uid, 1)
+            rnd.on_settle = lambda: self._quotas.count_open_round(uid, -1)
+        if rnd.result is None:
+            self._time_round(agreement, k, rnd, req["timeout"] or self._waits.agreement, now)
         agreement.calls[rank] = k
         settled = rnd.result is not None
         if settled:
@@ -204,33 +206,44 @@ class Agreements:
         own = agreement.calls.get(rank, 0) if rank in agreement.left and agreement.pids.get(rank) == pid else 0
         agreement.dead.pop(rank, None)
         agreement.left.pop(rank, None)
-        before = agreement.pids.get(rank)
-        agreement.pids[rank] = pid
-        if before is not None and before != pid and before not in agreement.pids.values():
-            self.voting.discard(before, agreement.key)  # it votes for no rank here any more
-        self._votes_in(pid, agreement)
+        self._hand_over(agreement, rank, pid)
         agreement.calls[rank] = max(own, agreement.most_entered(besides=rank))
         log.info("group=%s rank=%d: pid %d takes part again, from round %d (the rank had died or left)",
                  agreement.group, rank, pid, agreement.calls[rank] + 1)
         agreement.collect()
 
+    def _hand_over(self, agreement: Agreement, rank: int, pid: int) -> None:
+        """``pid`` votes for ``rank`` from now on; the process that did, if another, votes here no more."""
+        before = agreement.pids.get(rank)
+        agreement.pids[rank] = pid
+        if before is not None and before != pid and before not in agreement.pids.values():
+            self.voting.discard(before, agreement.key)
+        self._votes_in(pid, agreement)
+
     def rank_back(self, uid: int | None, group: str, rank: int, pid: int) -> None:
         """``pid`` joined a set of the group as ``rank``: where that rank had left the group's agreement,
-        it takes part again (its peers' rounds wait for it) before its first vote."""
+        or died and this is another process, it takes part again (its peers' rounds wait for it) before
+        its first vote."""
         agreement = self.kept.get((uid, group))
-        if agreement is not None and rank in agreement.left:
+        if agreement is not None and (rank in agreement.left or agreement.dead.get(rank, pid) != pid):
             self._returns(agreement, rank, pid)
 
-    def _open_round(self, uid: int | None, deadline: float, check: Check) -> Callable[[], None]:
-        """Count one more round open for ``uid`` and time it; what to call once it settles."""
-        timer = self._timers.at(deadline, check)
-        self._quotas.count_open_round(uid, 1)
+    def _time_round(self, agreement: Agreement, k: int, rnd: Round, timeout: float, now: float) -> None:
+        """A voter waits at most ``timeout``: where that ends before the round's deadline, the round
+        ends then for every rank (as on the page, the first deadline wins), so a voter with a shorter
+        timeout than the round's first hears False in time, not its client's DaemonUnavailable."""
+        if now + timeout >= rnd.deadline:
+            return
+        rnd.deadline = now + timeout
+        timer = self._timers.at(rnd.deadline, lambda t, a=agreement: self._round_due(a, k, timeout))
+        settled = rnd.on_settle
 
-        def settled() -> None:
+        def cancel() -> None:
             self._timers.cancel(timer)
-            self._quotas.count_open_round(uid, -1)
+            if settled is not None:
+                settled()
 
-        return settled
+        rnd.on_settle = cancel
 
     def _votes_in(self, pid: int, agreement: Agreement) -> None:
         """Index ``pid`` as a voter of ``agreement``, so its death looks at its own agreements alone."""

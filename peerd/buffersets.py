@@ -137,9 +137,12 @@ class BufferSet:
 # still map the old buffers) retires the old set: it leaves the key, so the
 # new rendezvous can take it, but lives on in ``retired`` until its last
 # holder lets go, and only then is its memory freed. A retired set is still a
-# set of its group: a member's release, commit or fd request finds the set in
-# which that pid holds the rank, current or retired, and a rank of a retired
-# set still votes for its group in tp_agree.
+# set of its group: a member's release, commit or fd request finds the set it
+# names (the join reply's ``set``), else the one in which that pid holds the
+# rank, current or retired, and a rank of a retired set still votes for its
+# group in tp_agree. A rank a retired set still holds is refused to the new
+# rendezvous (RANK_TAKEN), as the current set's would be: its process would
+# hold the rank twice over one key.
 
 
 class SetIndex:

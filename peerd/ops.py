@@ -101,6 +101,8 @@ _RANK = Field(int, between(0, MAX_RANKS - 1))
 _NPES = Field(int, between(1, MAX_RANKS))
 _TIMEOUT = Field((int, float, type(None)), _timeout, None)
 _SLOT = {"group": _GROUP, "name": _NAME, "rank": _RANK}
+#: the set the rank joined (the join reply's ``set``): the daemon answers for that set alone
+_SET = Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0", None)
 _VERDICT = {"ok": Field(bool), "reason": Field(str)}
 _NUMBER = (int, float)
 _HELLO = {
@@ -123,7 +125,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "set's verdict. With `page` true the rank voted on the set's control page and had the verdict there: "
        "nothing answers it but a refusal.",
        {**_SLOT, "ok": Field(bool), "reason": Field(str, _reason, ""), "timeout": _TIMEOUT,
-        "page": Field(bool, None, False)},
+        "page": Field(bool, None, False), "set": _SET},
        _VERDICT,
        errors=(E.NOT_FOUND, E.NOT_MEMBER, *SET_FAILURES),
        registry=True),
@@ -136,7 +138,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("release", "Drop this rank's hold on the buffer set; the memory is freed once no rank holds it. "
        "`set` (the join reply's) names the set the hold was taken in: a release sent again after its "
        "first delivery (a retry, a restarted daemon) never ends a later set's hold of the same rank.",
-       {**_SLOT, "set": Field((int, type(None)), lambda v: None if v is None or v >= 0 else "must be >= 0", None)},
+       {**_SLOT, "set": _SET},
        {"freed": Field(bool)},
        errors=(E.NOT_FOUND, E.NOT_MEMBER, *SET_FAILURES),
        registry=True),

@@ -106,6 +106,9 @@ class Rendezvous:
         """The set ``rank`` joins, or the replies that end its join here."""
         rank = req["rank"]
         bset = self.index.current.get(key)
+        refused = self._held_in_retired(key, rank, bset, caller)
+        if refused:
+            return None, [refused]
         if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
             return None, [self._tell_failure(bset, rank, caller)]
         if bset is not None and bset.state is not State.JOINING:
@@ -214,6 +217,18 @@ class Rendezvous:
             self.index.retire(bset)
         else:  # a kept verdict: the new rendezvous replaces it
             self._forget(bset)
+        return None
+
+    def _held_in_retired(self, key: SetKey, rank: int, current: BufferSet | None, caller: Caller) -> Send | None:
+        """A new rendezvous of a key may not take a rank a retired set of the key still holds, as the
+        current set's holder may not (``_supersede``): that process would hold the rank twice, and its
+        commit, named by key, could be taken for the retired set's. See Note [Retired sets]."""
+        for bset in self.index.of_group(key[0], key[1]):
+            held = bset.slots.get(rank) if bset.name == key[2] and bset is not current else None
+            if held is not None and held.held:
+                message = (f"rank {rank} of {bset.label} is still held by pid {held.pid}; close that PeerBuffer "
+                           "first, or pass another name=")
+                return refuse(caller, ErrorCode.RANK_TAKEN, message)
         return None
 
     def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:
@@ -463,10 +478,11 @@ class Rendezvous:
     def _left_late(self, bset: BufferSet, slot: Slot, why: str) -> Outbox:
         """LEAVE_GRACE_S after a rank released a set its peers still hold (see Note [A leaving rank
         aborts late]): their page aborts, and the rank has left the group's agreement on the message
-        path too, unless it still holds another set of the group."""
+        path too, unless the rank is held in another set of the group (by this process, or by the one
+        that took its place meanwhile)."""
         self.pages.hold_dropped(bset, slot, why)
         group, rank = bset.group, slot.rank
-        if not bset.holding_slots() or slot.pid in self.index.pids_holding_rank(bset.owner_uid, group, rank):
+        if not bset.holding_slots() or self.index.pids_holding_rank(bset.owner_uid, group, rank):
             return []
         reason = f"rank {rank} (pid {slot.pid}) {why} {bset.label} while its peers still held it, and left the group"
         return self._left(bset.owner_uid, group, rank, slot.pid, reason)

@@ -7,6 +7,7 @@ hears the same verdict at once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,6 +24,7 @@ class Round:
     waiters: dict[int, Caller] = field(default_factory=dict)
     result: tuple[bool, str] | None = None
     on_settle: Callable[[], None] | None = None  # cancels its timeout (and counts it settled)
+    deadline: float = math.inf  # when it times out: the earliest of its voters' deadlines
 
     def vote(self, rank: int, ok: bool, reason: str, caller: Caller | None) -> Outbox:
         """``caller`` None: a vote nobody waits on here (the rank learns the verdict elsewhere)."""

@@ -11,7 +11,7 @@ Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool, "where": 
     where               where the buffer's page is: see ``where``
     garbage             overwrite this member's mapping of its page's WHOLE area with random bytes
     reduce              all_reduce(buf, ones) on the host, polling the buffer's page: the sum
-    fresh G R N         a new PeerBuffer of group G as rank R of N in place of buf (which stays open);
+    fresh G R N [NAME]  a new PeerBuffer of group G as rank R of N in place of buf (which stays open);
                         tried twice where the first call finds the daemon restarted
     close               buf.close()
 
@@ -102,13 +102,13 @@ def main() -> None:
 
     earlier = []  # the buffers ``fresh`` replaced: open until they are closed, or the member exits
 
-    def fresh(new_group: str, rank: str, npes: str) -> bool:
+    def fresh(new_group: str, rank: str, npes: str, name: str = "default") -> bool:
         nonlocal buf, group
         earlier.append(buf)
         try:
-            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30)
+            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), name=name, timeout=30)
         except DaemonUnavailable:  # the first call after a daemon restart finds its connection gone
-            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), timeout=30)
+            buf = PeerBuffer(1 << 16, new_group, int(rank), int(npes), name=name, timeout=30)
         group = new_group
         return buf.abort_address != 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from peerd.pagearea import MEMFD_NAME
+from peerd.pages import LEAVE_GRACE_S
 from tests.conftest import Daemon, finish, start_rank, wait_until
 from tests.integration.test_arenas import SOCKET_GROUP, USER_A, USER_B, users  # noqa: F401 (the fixture)
 
@@ -354,6 +355,29 @@ def test_a_process_cycling_through_group_names_leaves_the_daemon_a_few_areas_not
         cycler.stdin.close()
         cycler.wait(30)
     wait_until(lambda: pages_held(daemon.proc.pid) == 0, 10, "the daemon to close its spares once the process exits")
+
+
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+def test_a_rank_that_left_then_built_another_set_with_its_peer_agrees_with_it_again(daemon, pages):
+    """Rank 1 closes its buffer and, past the grace, both ranks build another set of the group (another name),
+    rank 0 keeping its first: on the page, rank 0 voted on the first set's page, aborted by the departure, and
+    rank 1 on the new one, so every round was False and their rounds never lined up again."""
+    if not pages:
+        without_pages(daemon)
+    stayer, leaver = group_of(daemon, "rejoin", 2, "--timeout", "5")
+    assert leaver.ask("close")["ok"]
+    if pages:
+        aborted(stayer)  # the departure reached the page
+    else:
+        time.sleep(LEAVE_GRACE_S + 0.5)  # and the daemon's agreement
+    for member, rank in ((stayer, 0), (leaver, 1)):
+        member.proc.stdin.write(f"fresh rejoin {rank} 2 second\n")
+        member.proc.stdin.flush()
+    assert [m.read() for m in (stayer, leaver)] == [{"ok": True, "value": pages}] * 2
+    for _ in range(3):
+        assert [r["value"] for r in ask_all([stayer, leaver], "agree")] == [True, True]
+    stayer.end()
+    leaver.end()
 
 
 @pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])

@@ -77,6 +77,21 @@ def bodies(out):
     return {send.caller: send.body for send in out if send.body is not None}
 
 
+def test_a_rank_a_retired_set_still_holds_is_refused_to_the_keys_new_rendezvous(reg):
+    """Rank 1 released and joined the key again, so the old set retired while rank 0 still held it; rank 0
+    joining too without closing it was let in, and its commit, named by key, was taken for the retired
+    set's (True at once) while rank 1 waited out its timeout. Refused as the current set's holder is."""
+    old = live_set(reg)
+    release(reg, 1)
+    assert join(reg, 1) == [] and reg.sets[(None, "g", "n")] is not old, "the old set retired"
+    refused = errors(join(reg, 0))[("c", 0)]
+    assert refused.code is ErrorCode.RANK_TAKEN, refused
+    assert "rank 0 of group=g name=n" in refused.message and "still held by pid 100" in refused.message, refused
+    named = {"group": "g", "name": "n", "rank": 0, "ok": True, "reason": "", "timeout": None, "page": False}
+    elsewhere = errors(reg.commit(("v", 0), who(100), {**named, "set": old.id + 1000}, 0.0))[("v", 0)]
+    assert elsewhere.code is ErrorCode.NOT_FOUND, "a commit naming a set answers for that set alone"
+
+
 def live_set(reg, npes=2):
     for r in range(npes):
         join(reg, r, npes)
@@ -343,6 +358,21 @@ def test_agreement_rounds_pair_the_kth_call_of_each_rank(reg):
     second = bodies(agree(reg, 1, True))
     assert second[("a", 1)]["ok"] is False
     assert reg.agreements[(None, "a")].rounds == {} and reg.agreements[(None, "a")].calls == {}, "passed rounds are forgotten"
+
+
+def test_a_round_ends_at_the_earliest_deadline_of_its_voters(reg):
+    """A later voter's shorter timeout ends the round for every rank, as on the page: the daemon kept the
+    first voter's 20 s, so the second's client gave up at its own 1 s (DaemonUnavailable, not False)."""
+    agree(reg, 0, now=0.0, npes=3, timeout=20)
+    agree(reg, 1, now=0.5, npes=3, timeout=1)
+    assert reg.expire(1.4) == []
+    out = bodies(reg.expire(1.5))
+    assert {caller: body["ok"] for caller, body in out.items()} == {("a", 0): False, ("a", 1): False}
+    assert "timed out after 1s waiting for rank(s) [2]" in out[("a", 0)]["reason"], out
+    assert reg.expire(30.0) == [], "the first voter's own deadline went with the round"
+    agree(reg, 0, now=31.0, npes=3, timeout=1)  # the next round keeps its own deadlines
+    agree(reg, 1, now=31.0, npes=3, timeout=5)
+    assert {c: b["ok"] for c, b in bodies(reg.expire(32.0)).items()} == {("a", 0): False, ("a", 1): False}
 
 
 def test_agreement_timeout_is_false_with_a_reason_and_late_ranks_hear_it(reg):
@@ -812,6 +842,47 @@ def test_a_rank_that_left_and_joins_a_new_set_of_the_group_takes_part_in_its_nex
     assert agree(reg, 0, group="g") == [], "the rank back in the group is waited for"
     verdict = bodies(agree(reg, 1, group="g"))
     assert verdict[("a", 0)] == verdict[("a", 1)] == {"ok": True, "reason": ""}
+
+
+def vote_as(reg, rank, pid, caller=None, group="g"):
+    body = {"group": group, "rank": rank, "npes": 2, "ok": True, "timeout": None}
+    return reg.agree(caller or ("a", rank), who(pid), body, 0.0)
+
+
+def rebuild(reg, pids, name="again"):
+    """A new set of group g, each rank joined by the pid given."""
+    for rank, pid in enumerate(pids):
+        join(reg, rank, name=name, pid=pid)
+    for rank, pid in enumerate(pids):
+        commit(reg, rank, name=name, pid=pid)
+
+
+def test_a_new_process_in_a_dead_ranks_place_takes_part_from_its_join(reg):
+    """A new process joins a set of the group in place of a dead rank: the survivor's next round waits for
+    it. It was False ("rank 1 died") until the newcomer voted, and the newcomer's first vote then met the
+    survivor's second round."""
+    live_set(reg)
+    vote_as(reg, 0, 100), vote_as(reg, 1, 101)
+    reg.process_died(101, 1.0)
+    release(reg, 0)
+    rebuild(reg, [100, 201])
+    assert vote_as(reg, 0, 100) == [], "the newcomer is waited for"
+    verdict = bodies(vote_as(reg, 1, 201))
+    assert verdict == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}, verdict
+
+
+def test_a_process_that_takes_a_released_rank_within_the_grace_votes_for_it(reg):
+    """Rank 1's process released, and another took its place in a new set of the group within the grace: the
+    rank was still marked as having left (its peers' rounds False), and the newcomer's votes were refused
+    (NOT_MEMBER: the rank votes from the first pid) for as long as that process lived."""
+    live_set(reg)
+    vote_as(reg, 0, 100), vote_as(reg, 1, 101)
+    release(reg, 1)
+    rebuild(reg, [100, 201])
+    assert reg.expire(LEAVE_GRACE_S) == [], "rank 1 is held: nobody left"
+    assert vote_as(reg, 0, 100) == []
+    verdict = bodies(vote_as(reg, 1, 201))
+    assert verdict == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}, verdict
 
 
 def test_a_rank_back_from_leaving_never_enters_a_round_it_entered_already(reg):
