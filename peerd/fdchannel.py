@@ -29,6 +29,16 @@ the uid, gid and pid, SO_PEERGROUPS for the supplementary groups the
 allowlist may need (read only if asked), both as recorded at connect. Nothing
 is read from /proc/PID, which may be another process by the time the request
 comes (a caller can hand its connection to a child and exit).
+
+A reply's fds count against the daemon's user until the client reads them,
+whatever becomes of the daemon's end, and past that user's fd limit the
+kernel refuses every pass (ETOOMANYREFS) unless the daemon holds
+CAP_SYS_RESOURCE: a client that asked over and over and never read would
+stop every other user's setup. So an answered connection whose reply the
+client has not read yet stays open and counts against its uid's
+MAX_CONNECTIONS_PER_UID until the client reads it (the socket's send queue
+empties) or closes; a uid holding that many unread replies is refused more
+(LIMIT_EXCEEDED, with no fd), so one uid holds at most that many replies' fds.
 """
 
 from __future__ import annotations
@@ -37,8 +47,11 @@ import contextlib
 import errno
 import logging
 import os
+import fcntl
+import select
 import socket
 import struct
+import termios
 import time
 from typing import Any, Callable
 
@@ -64,6 +77,8 @@ MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_UID = 16
 #: how long a connection may take to send its request
 REQUEST_WAIT_S = 1.0
+#: how often an answered connection is asked whether its client read the reply
+UNREAD_CHECK_S = 1.0
 #: what the messages after the first carry besides their fds
 MORE = b"\x00"
 
@@ -85,19 +100,23 @@ class FdChannelServer:
         secure_socket(path, gid)
         self._listener.listen(MAX_CONNECTIONS)
         self._open: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, deadline, uid), oldest first
-        self._poller: zmq.Poller | None = None
+        self._unread: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, next look, uid): answered
+        self._poller: zmq.Poller | None = None  # with fds its client has not read yet
 
     def attach(self, poller: zmq.Poller) -> None:
         self._poller = poller
         poller.register(self._listener.fileno(), zmq.POLLIN)
 
     def next_deadline(self) -> float | None:
-        return next(iter(self._open.values()))[1] if self._open else None
+        return min((entry[1] for entry in (*self._open.values(), *self._unread.values())), default=None)
 
     def serve(self, events: dict, now: float) -> None:
-        """One pass: answer what arrived, accept who came, drop who overstayed."""
+        """One pass: answer what arrived, accept who came, drop who overstayed or read its reply."""
         for fd in [fd for fd in events if fd in self._open]:
-            self._respond(fd)
+            self._respond(fd, now)
+        for fd, (conn, look, uid) in list(self._unread.items()):
+            if fd in events or look <= now:  # it closed (its end's hang-up is an event) or may have read
+                self._settle(fd, now)
         if self._listener.fileno() in events:
             self._accept(now)
         for fd, (_, deadline, _) in list(self._open.items()):
@@ -106,7 +125,7 @@ class FdChannelServer:
             self._drop(fd)
 
     def close(self) -> None:
-        for fd in list(self._open):
+        for fd in [*self._open, *self._unread]:
             self._drop(fd)
         self._listener.close()
         with contextlib.suppress(FileNotFoundError):
@@ -130,21 +149,45 @@ class FdChannelServer:
             self._make_room(uid)
             self._open[conn.fileno()] = (conn, now + REQUEST_WAIT_S, uid)
             self._poller.register(conn.fileno(), zmq.POLLIN)
-            self._respond(conn.fileno())  # a client sends its request right after connect: no turn of the loop lost
+            self._respond(conn.fileno(), now)  # a client sends its request right after connect: no turn lost
 
     def _make_room(self, uid: int) -> None:
         """Room for one more connection of ``uid``: a flood of idle connections pushes out only the
-        flooder's own, so a request another user has just connected for is still read."""
+        flooder's own, so a request another user has just connected for is still read. Its unread
+        replies count in its share but are never pushed out (that would free none of their fds): a
+        uid whose share they fill keeps one connection more, which hears why it is refused."""
         by_uid: dict[int, list[int]] = {}
         for fd, (_, _, owner) in self._open.items():
             by_uid.setdefault(owner, []).append(fd)
-        if len(by_uid.get(uid, ())) >= MAX_CONNECTIONS_PER_UID:
+        if uid in by_uid and len(by_uid[uid]) + self._unread_of(uid) >= MAX_CONNECTIONS_PER_UID:
             self._drop(by_uid[uid][0])
         elif len(self._open) >= MAX_CONNECTIONS:
             self._drop(max(by_uid.values(), key=len)[0])
 
-    def _respond(self, fd: int) -> None:
-        conn = self._open[fd][0]
+    def _unread_of(self, uid: int) -> int:
+        return sum(owner == uid for _, _, owner in self._unread.values())
+
+    def _settle(self, fd: int, now: float) -> None:
+        """Drop an answered connection once its client read the reply or closed; else look again later.
+        Whatever the client sends after its request is discarded, so it never keeps the loop busy."""
+        conn, _, uid = self._unread[fd]
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        hung_up = any(events & select.POLLHUP for _, events in poll.poll(0))
+        with contextlib.suppress(OSError):
+            for _ in range(8):
+                conn.recv(1, socket.MSG_DONTWAIT)  # a whole message goes, however long
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, bytes(4)))[0]  # SIOCOUTQ: unread bytes
+        except OSError:
+            queued = 0
+        if queued and not hung_up:
+            self._unread[fd] = (conn, now + UNREAD_CHECK_S, uid)
+        else:
+            self._drop(fd)
+
+    def _respond(self, fd: int, now: float) -> None:
+        conn, _, uid = self._open[fd]
         try:
             # no room for ancillary data: fds a client sends are discarded by the kernel
             data, _, flags, _ = conn.recvmsg(MAX_REQUEST_BYTES + 1)
@@ -153,7 +196,15 @@ class FdChannelServer:
         except OSError:
             data, flags = b"", 0
         if data and not flags & socket.MSG_TRUNC and len(data) <= MAX_REQUEST_BYTES:
-            self._send(conn, *self._reply(conn, data))
+            reply, fds = self._reply(conn, data) if self._unread_of(uid) < MAX_CONNECTIONS_PER_UID else (
+                {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
+                    f"uid {uid} has {MAX_CONNECTIONS_PER_UID} fd channel replies it has not read (their file "
+                    "descriptors are in flight): a process of this user asks for fds and never reads them; "
+                    "stop it")}, [])
+            if self._send(conn, reply, fds) and fds:  # fds in flight: counted until read, even a part
+                del self._open[fd]
+                self._unread[fd] = (conn, now, uid)  # looked at in this very pass: a quick client read it already
+                return
         self._drop(fd)
 
     def _reply(self, conn: socket.socket, data: bytes) -> tuple[dict, list[int]]:
@@ -175,7 +226,8 @@ class FdChannelServer:
         return {"ok": True, "handles": handles, "fd_index": [place[fd] for fd in fds]}, list(place)
 
     @staticmethod
-    def _send(conn: socket.socket, reply: dict, fds: list[int]) -> None:
+    def _send(conn: socket.socket, reply: dict, fds: list[int]) -> int:
+        """Send the reply with its fds; how many of its messages went out (each with its fds in flight)."""
         chunks = [fds[i:i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
         sent = 0
         try:
@@ -190,9 +242,10 @@ class FdChannelServer:
                         "the daemon cannot pass file descriptors now: its user has too many in flight in replies "
                         "other processes have not read (ETOOMANYREFS); run it with CAP_SYS_RESOURCE, as the "
                         "shipped systemd unit does, or stop the process that does not read them")}))
+        return sent
 
     def _drop(self, fd: int) -> None:
-        conn, _, _ = self._open.pop(fd)
+        conn, _, _ = self._open.pop(fd, None) or self._unread.pop(fd)
         self._poller.unregister(fd)
         conn.close()
 

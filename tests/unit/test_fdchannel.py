@@ -124,3 +124,60 @@ def test_a_daemon_past_its_in_flight_fd_limit_says_so(channel, monkeypatch):
         assert err.value.code is ErrorCode.LIMIT_EXCEEDED and "CAP_SYS_RESOURCE" in err.value.message
     finally:
         os.close(memory)
+
+
+def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(channel):
+    """A reply's fds count against the daemon's user until they are read, whatever becomes of the daemon's
+    end: a client that asked over and over and never read made the kernel refuse every other user's pass
+    (ETOOMANYREFS). An answered connection now counts against its uid until its client reads or closes, and
+    a uid holding its share of unread replies is refused more, with no fd."""
+    import select
+    import socket as sockets
+
+    import msgpack
+
+    from peerd.fdchannel import MAX_CONNECTIONS_PER_UID, UNREAD_CHECK_S, connect
+
+    path, answers = channel
+    memory = os.memfd_create("peerd-test")
+    answers[0] = ([b"h"], [memory])
+    slot = {"group": "g", "name": "n", "rank": 0}
+
+    def ask_and_leave_unread() -> sockets.socket:
+        sock = connect(path, 10)
+        sock.send(msgpack.packb(slot))
+        assert select.select([sock], [], [], 10)[0], "answered"
+        assert msgpack.unpackb(sock.recv(1 << 16, sockets.MSG_PEEK))["ok"], "its fds are in flight, unread"
+        return sock
+
+    def served() -> bool:
+        try:
+            _, fds = fetch_fds(path, slot, 10)
+        except ProtocolError as err:
+            assert err.code is ErrorCode.LIMIT_EXCEEDED, err
+            assert f"has {MAX_CONNECTIONS_PER_UID} fd channel replies it has not read" in err.message, err
+            return False
+        finally:
+            time.sleep(0.2)  # the channel sees this connection close
+        for fd in fds:
+            os.close(fd)
+        return True
+
+    try:
+        unread = [ask_and_leave_unread() for _ in range(MAX_CONNECTIONS_PER_UID)]
+        time.sleep(2 * UNREAD_CHECK_S)  # looked at since: still unread
+        assert not served(), "a seventeenth reply would put more fds in flight"
+        _, fds, _, _ = sockets.recv_fds(unread[0], 1 << 16, 8)  # read, the socket kept open: its place comes back
+        for fd in fds:
+            os.close(fd)
+        time.sleep(2 * UNREAD_CHECK_S)
+        assert served()
+        unread.append(ask_and_leave_unread())  # its share held again
+        assert not served()
+        unread.pop(1).close()  # closed unread: its fds leave flight with it
+        time.sleep(0.2)
+        assert served()
+        for sock in unread:
+            sock.close()
+    finally:
+        os.close(memory)
