@@ -77,7 +77,11 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                     f"group {group!r} is a string key: pass rank= and npes= "
                     "(or join a PeerBuffer of that group in this process first)"
                 )
-            return known[0]
+            member = known[0]
+            if rank not in (None, member.rank) or npes not in (None, member.npes):
+                raise ValueError(f"rank={rank}, npes={npes} contradict this process's place in group {group!r} "
+                                 f"(rank {member.rank} of {member.npes})")
+            return member
         return Membership(group, rank, npes)
     if hasattr(group, "rank") and hasattr(group, "size"):
         import torch.distributed as dist

@@ -120,6 +120,10 @@ class Agreements:
         group, rank, npes = req["group"], req["rank"], req["npes"]
         if rank >= npes:
             return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        sizes = self._sets.group_sizes(uid, group)
+        if sizes and npes not in sizes:  # else a stray vote could fix the group's npes before its members did
+            return [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} agrees with npes={npes} but "
+                                                       f"the group's buffer sets have npes={min(sizes)}")]
         holders = self._sets.pids_holding_rank(uid, group, rank)
         if holders and pid not in holders:
             return [refuse(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} is held by pid "

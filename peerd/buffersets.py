@@ -241,6 +241,10 @@ class SetIndex:
             if (slot := bset.slots.get(rank)) is not None and slot.held and not slot.dead
         }
 
+    def group_sizes(self, uid: int | None, group: str) -> set[int]:
+        """The npes of the group's sets some rank holds: the only ones its tp_agree may vote with."""
+        return {bset.npes for bset in self.of_group(uid, group) if bset.holding_slots()}
+
     def ranks_died_holding(self, uid: int | None, group: str) -> dict[int, int]:
         """rank -> pid of the group's ranks that died holding a set: members of its agreement too."""
         return {

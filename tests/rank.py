@@ -473,21 +473,13 @@ def interruptible(args) -> dict:
     return {"outcomes": outcomes}
 
 
-def dropped_while_busy(args) -> dict:
-    """Rank 0 of --group drops its buffer while another thread of it waits in a join that nobody answers
-    (a group of its own, --timeout): prints DROPPED once the finalizer ran, then waits for that join. Rank 1
-    holds its buffer until a line on stdin."""
-    import gc
+def join_alone(args):
+    """A thread waiting in a join that nobody answers (a group of its own, --timeout), inside its call once
+    this returns; what the join raised lands in the dict."""
     import threading
 
     from peerd_client import MonoUnsupported, PeerBuffer
 
-    buf = PeerBuffer(args.nbytes, args.group, args.rank, 2)
-    if args.rank == 1:
-        print("READY", flush=True)
-        sys.stdin.readline()
-        buf.close()
-        return {}
     lonely: dict = {}
 
     def wait_alone() -> None:
@@ -499,6 +491,38 @@ def dropped_while_busy(args) -> dict:
     waiting = threading.Thread(target=wait_alone)
     waiting.start()
     time.sleep(0.5)  # inside its call: the connection is held
+    return waiting, lonely
+
+
+def busy_elsewhere(args) -> dict:
+    """While one thread waits in a join nobody answers (--timeout), another agrees alone with timeout=1 and
+    builds a one-rank buffer: neither waits for the first thread's call."""
+    from peerd_client import PeerBuffer, tp_agree
+
+    waiting, lonely = join_alone(args)
+    agreed = tp_agree(True, f"{args.group}-solo", 0, 1, timeout=1)
+    with PeerBuffer(args.nbytes, f"{args.group}-own", 0, 1) as own:
+        built = own.npes == 1
+    busy = waiting.is_alive()  # both done while the first thread still waits
+    waiting.join()
+    return {"agreed": agreed, "built": built, "busy_meanwhile": busy, "lonely": lonely}
+
+
+def dropped_while_busy(args) -> dict:
+    """Rank 0 of --group drops its buffer while another thread of it waits in a join that nobody answers
+    (a group of its own, --timeout): prints DROPPED once the finalizer ran, then waits for that join. Rank 1
+    holds its buffer until a line on stdin."""
+    import gc
+
+    from peerd_client import PeerBuffer
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, 2)
+    if args.rank == 1:
+        print("READY", flush=True)
+        sys.stdin.readline()
+        buf.close()
+        return {}
+    waiting, lonely = join_alone(args)
     start = time.monotonic()
     del buf
     gc.collect()
@@ -633,6 +657,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "busy_elsewhere": busy_elsewhere,
     "outlived": outlived,
     "close_race": close_race,
     "interruptible": interruptible,

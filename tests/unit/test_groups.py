@@ -360,6 +360,18 @@ def test_agreement_rounds_pair_the_kth_call_of_each_rank(reg):
     assert reg.agreements[(None, "a")].rounds == {} and reg.agreements[(None, "a")].calls == {}, "passed rounds are forgotten"
 
 
+def test_a_vote_with_another_npes_than_the_groups_sets_is_refused_and_fixes_nothing(reg):
+    """A stray process of the uid voting first as rank 2 of 3 fixed the agreement's npes at 3: the group's
+    real ranks, of a 2-rank set, got MISMATCH for as long as any of them lived."""
+    live_set(reg)
+    body = {"group": "g", "rank": 2, "npes": 3, "ok": True, "timeout": None}
+    stray = errors(reg.agree(("stray", 2), who(555), body, 0.0))[("stray", 2)]
+    assert stray.code is ErrorCode.MISMATCH and "the group's buffer sets have npes=2" in stray.message, stray
+    agree(reg, 0, group="g")
+    verdict = bodies(agree(reg, 1, group="g"))
+    assert verdict[("a", 0)] == verdict[("a", 1)] == {"ok": True, "reason": ""}
+
+
 def test_a_round_ends_at_the_earliest_deadline_of_its_voters(reg):
     """A later voter's shorter timeout ends the round for every rank, as on the page: the daemon kept the
     first voter's 20 s, so the second's client gave up at its own 1 s (DaemonUnavailable, not False)."""

@@ -1,0 +1,18 @@
+"""A string group key's membership: what tp_agree takes rank and npes from when a call names neither."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerd_client import groupkey
+from peerd_client.groupkey import Membership, remember, resolve
+
+
+def test_a_lone_rank_or_npes_must_match_the_membership_this_process_joined(monkeypatch):
+    """tp_agree(True, key, rank=1) from the process holding rank 0 voted as rank 0: the value was ignored."""
+    monkeypatch.setattr(groupkey, "_joined", {})
+    remember(Membership("k", 0, 2))
+    assert resolve("k", None, None, 1) == resolve("k", 0, None, 1) == resolve("k", None, 2, 1) == Membership("k", 0, 2)
+    for rank, npes in ((1, None), (None, 4)):
+        with pytest.raises(ValueError, match=r"contradict this process's place in group 'k' \(rank 0 of 2\)"):
+            resolve("k", rank, npes, 1)
