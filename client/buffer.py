@@ -142,7 +142,7 @@ class PeerBuffer:
             for fd in set(fds):  # a mapping keeps the memory; the fds are spent (ranks of one chunk share one)
                 os.close(fd)
         self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
-                               conn.hello["agreement_timeout"])
+                               conn.hello["agreement_timeout"], joined["set"])
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
             self._link.attach(conn, self._held(member), self.device, joined.get("page"))
         try:
@@ -167,7 +167,7 @@ class PeerBuffer:
             ) from failure
 
         self._link.choose()
-        open_link(member.key, self._link)
+        open_link(member.key, self._link, joined.get("supersedes") or [])
 
     def _commit_on_page(self, conn: Connection, member: Membership, pointers: list[int], timeout: float) -> dict:
         """The commit vote of a rank that holds the set's control page: its views first, then the vote
@@ -247,12 +247,13 @@ class PeerBuffer:
         a collected buffer read unmapped memory (close() still unmaps under it, as documented). The
         buffer holds the view weakly, so the two never keep each other alive."""
         self._guard()
-        if not getattr(self, "_local", 0):
+        local = getattr(self, "_local", 0)  # once: another thread's close() may clear it meanwhile
+        if not local:
             return None
         known = getattr(self, "_bytes", None)
         view = known() if known is not None else None
         if view is None:
-            view = byte_view(self._local, self.nbytes, self.device, owner=self)
+            view = byte_view(local, self.nbytes, self.device, owner=self)
             self._bytes = weakref.ref(view)
         return view
 

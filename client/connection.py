@@ -18,12 +18,6 @@ waits in a process-wide queue, sent on the next connection and retried in
 the background until a daemon answers, so a worker that closes gets its
 memory released once the daemon is back.
 
-A call made while another thread of the process waits in one (a join, a
-vote) goes out on a connection of its own, a spare kept for such calls, so
-threads never wait for each other's peers and every call keeps its own
-timeout; a finalizer's release never opens one (it is left to the waiting
-thread, see send_later).
-
 Fork guard: a forked child must not share its parent's socket. The child
 starts with no connection and opens its own on first use; it inherits no
 undelivered release (those are its parent's ranks).
@@ -70,8 +64,6 @@ PROBE_TIMEOUT_S = 2.0
 #: undelivered releases are retried after this long, the wait doubling up to the most, until delivered
 RETRY_EVERY_S = 1.0
 RETRY_MOST_EVERY_S = 30.0
-#: idle spare connections a process keeps for calls made while another thread's call waits
-MAX_IDLE_SPARES = 2
 CLOSED = "closed"
 
 
@@ -191,34 +183,24 @@ class Connection:
 
         ``meanwhile`` runs once the request is out, before waiting: work that overlaps the daemon's answer.
         """
-        with self._owned() as held:
-            if not held:  # another thread waits in a call on this one
-                with spare(self.path) as conn:
-                    return conn.call(op, body, timeout, meanwhile)
+        with self._owned():
             return self._call(op, body, timeout, meanwhile)
 
     def post(self, op: str, body: dict[str, Any]) -> None:
         """Send one request whose answer comes another way (a commit on the control page): the
         daemon answers it only with a refusal, which the next call skips as stray."""
-        with self._owned() as held:
-            if not held:
-                with spare(self.path) as conn:
-                    return conn.post(op, body)
+        with self._owned():
             self._send(op, self._ready(op, body))
 
     @contextlib.contextmanager
     def _owned(self):
-        """The connection, held by this thread (True), or False at once where another thread holds it
-        (the call then takes a spare); a finalizer's send_later on it defers instead of waiting."""
-        if not self._lock.acquire(blocking=False):
-            yield False
-            return
-        self._owner = threading.get_ident()
-        try:
-            yield True
-        finally:
-            self._owner = None
-            self._lock.release()
+        """The connection, held by this thread: a finalizer's send_later on it defers instead of waiting."""
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
         self._flush_deferred()  # what other threads left while this one held the socket
 
     def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -403,41 +385,12 @@ def daemon_answers(path: str, timeout: float = 0.5) -> bool:
 
 _connection: Connection | None = None
 _connection_lock = threading.Lock()
-_spares: list[Connection] = []  # idle, for calls made while another thread's call waits
-_spares_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    global _connection, _connection_lock, _spares_lock
+    global _connection, _connection_lock
     _connection, _connection_lock = None, threading.Lock()
-    _spares.clear()  # its parent's sockets
-    _spares_lock = threading.Lock()
     undelivered.forget()
-
-
-@contextlib.contextmanager
-def spare(path: str):
-    """A connection no other thread uses, for one call: an idle spare, else a new one; kept after
-    (MAX_IDLE_SPARES at most) unless it was lost."""
-    with _spares_lock:
-        conn = _spares.pop() if _spares else None
-    if conn is not None:
-        try:
-            conn._check_lost()  # an idle spare whose daemon went away says so only here
-        except DaemonUnavailable:
-            conn.close()
-            conn = None
-    if conn is None:
-        conn = Connection(path)
-    try:
-        yield conn
-    finally:
-        with _spares_lock:
-            keep = not conn._lost and len(_spares) < MAX_IDLE_SPARES
-            if keep:
-                _spares.append(conn)
-        if not keep:
-            conn.close()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

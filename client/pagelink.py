@@ -126,8 +126,11 @@ class GroupLink:
     """What a member's tp_agree needs of its group's live set: the daemon run it came
     from and, where the whole group chose it, the control page."""
 
-    def __init__(self, instance: int | None, rank: int, npes: int, label: str, agreement_timeout: float):
+    def __init__(self, instance: int | None, rank: int, npes: int, label: str, agreement_timeout: float,
+                 set_id: int):
         self.instance, self.rank, self.npes, self.label = instance, rank, npes, label
+        self.set_id = set_id  # the join reply's: a newer set of the group may supersede it
+        self.superseded = False  # a newer link of the group serves its votes (open_link)
         self.agreement_timeout = agreement_timeout  # the daemon's default: tp_agree's when it names none
         self.page: ControlPage | None = None
         self.mapped = None  # hostmap.MappedPage where the buffer is on a GPU
@@ -138,12 +141,6 @@ class GroupLink:
     def daemon_gone(self) -> bool:
         """The daemon run that made the page ended (its alive pipe closed)."""
         return self._watch is not None and self._watch.gone
-
-    @property
-    def aborted(self) -> bool:
-        """The daemon aborted the set's page: no round on it passes again."""
-        page = self.page
-        return page is not None and page.aborted_at is not None
 
     @property
     def abort_source(self):
@@ -214,9 +211,14 @@ class GroupLink:
 _links: dict[str, list[GroupLink]] = {}
 
 
-def open_link(key: str, link: GroupLink) -> None:
-    """``link`` serves its group's tp_agree while no older link of the group is open."""
-    _links.setdefault(key, []).append(link)
+def open_link(key: str, link: GroupLink, supersedes: list[int]) -> None:
+    """``link`` serves its group's tp_agree while no older link of the group is open that it does not
+    supersede (the join reply's ``supersedes``: sets of the group some rank no longer holds)."""
+    links = _links.setdefault(key, [])
+    for older in links:
+        if older.instance == link.instance and older.set_id in supersedes:
+            older.superseded = True
+    links.append(link)
 
 
 def close_link(key: str, link: GroupLink) -> None:
@@ -229,18 +231,16 @@ def close_link(key: str, link: GroupLink) -> None:
 
 
 def link_for(key: str) -> GroupLink | None:
-    """The group's oldest open link of the newest daemon run among them whose page the daemon did not
-    abort: every rank opened its sets in the same order. A set kept open across a daemon restart, or
-    whose page was aborted (a peer left it, then built another set of the group with this process),
-    serves no vote once another is open: its votes would be False, or DaemonUnavailable, for good,
-    while the peer votes on the other set's page. Where every page is aborted, the oldest answers."""
+    """The group's oldest open link of the newest daemon run among them that no newer link superseded:
+    every rank opened its sets in the same order, and learned which sets a newer one supersedes in
+    the same reply. A set kept open across a daemon restart, or one a peer left before the group
+    built another set with this process, serves no vote once that other set is open: its votes would
+    be False, or DaemonUnavailable, for good, while the peer votes on the newer set."""
     links = list(_links.get(key, ()))  # a copy: another thread (or a finalizer) may close one meanwhile
     if not links:
         return None
     newest = [link for link in links if link.instance == links[-1].instance]
-    if len(newest) == 1:  # a group's one set: the common case, and the cheapest
-        return newest[0]
-    return next((link for link in newest if not link.aborted), newest[0])
+    return next((link for link in newest if not link.superseded), newest[0])  # the superseding one closed
 
 
 def _forget_after_fork() -> None:

@@ -277,6 +277,9 @@ class Rendezvous:
         page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages
         if page is not None:
             body["page"] = page
+        superseded = self._superseded_by(bset)
+        if superseded:
+            body["supersedes"] = superseded
         self._handed([s.allocation for s in slots], [s.pid for s in slots])
         log.debug("%s ready: handles sent to %d ranks", bset.label, bset.npes)
         out = []
@@ -284,6 +287,15 @@ class Rendezvous:
             out.append(Send(s.waiter, body))
             s.waiter = None
         return out
+
+    def _superseded_by(self, bset: BufferSet) -> list[int]:
+        """The group's other sets that some rank no longer holds (it released them, or died) while others
+        still do: their holders vote on ``bset`` from now on (peerd_client.pagelink.link_for). Told to
+        every rank in the same reply, so the ranks move together, whatever the old sets' pages show
+        by then (a departure aborts a page only LEAVE_GRACE_S after the release)."""
+        return sorted(other.id for other in self.index.of_group(bset.owner_uid, bset.group)
+                      if other is not bset and other.holding_slots()
+                      and any(not slot.held for slot in other.slots.values()))
 
     def _rendezvous_due(self, bset: BufferSet, now: float) -> Outbox:
         if bset.state is not State.JOINING:

@@ -494,20 +494,6 @@ def join_alone(args):
     return waiting, lonely
 
 
-def busy_elsewhere(args) -> dict:
-    """While one thread waits in a join nobody answers (--timeout), another agrees alone with timeout=1 and
-    builds a one-rank buffer: neither waits for the first thread's call."""
-    from peerd_client import PeerBuffer, tp_agree
-
-    waiting, lonely = join_alone(args)
-    agreed = tp_agree(True, f"{args.group}-solo", 0, 1, timeout=1)
-    with PeerBuffer(args.nbytes, f"{args.group}-own", 0, 1) as own:
-        built = own.npes == 1
-    busy = waiting.is_alive()  # both done while the first thread still waits
-    waiting.join()
-    return {"agreed": agreed, "built": built, "busy_meanwhile": busy, "lonely": lonely}
-
-
 def dropped_while_busy(args) -> dict:
     """Rank 0 of --group drops its buffer while another thread of it waits in a join that nobody answers
     (a group of its own, --timeout): prints DROPPED once the finalizer ran, then waits for that join. Rank 1
@@ -657,7 +643,6 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
-    "busy_elsewhere": busy_elsewhere,
     "outlived": outlived,
     "close_race": close_race,
     "interruptible": interruptible,

@@ -25,15 +25,6 @@ def test_a_buffer_closed_while_another_thread_votes_on_its_group_never_breaks_th
     assert result.get("unexpected") == [], result
 
 
-def test_a_call_never_waits_for_another_threads_call(daemon):
-    """Calls waited for each other across a process's threads, the connection held for a whole join: a
-    thread's tp_agree(timeout=1) waited for another thread's join to time out, and two workers building two
-    groups from two threads in opposite orders stalled each other until their timeouts."""
-    (result,) = run_ranks(daemon, "busy_elsewhere", 1, "--group", "busy", "--timeout", "8", timeout=60)
-    assert (result.get("agreed"), result.get("built"), result.get("busy_meanwhile")) == (True, True, True), result
-    assert result["lonely"] == {"code": "TIMEOUT"}, result
-
-
 def test_no_daemon_is_daemon_unavailable_saying_how_to_start_one(socket_dir):
     ghost = Daemon(os.path.join(socket_dir, "none.sock"), None)
     (result,) = run_ranks(ghost, "join", 2, ranks=[0])

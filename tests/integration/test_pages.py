@@ -357,24 +357,35 @@ def test_a_process_cycling_through_group_names_leaves_the_daemon_a_few_areas_not
     wait_until(lambda: pages_held(daemon.proc.pid) == 0, 10, "the daemon to close its spares once the process exits")
 
 
+@pytest.mark.parametrize("late", [True, False], ids=["after-the-grace", "within-the-grace"])
 @pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
-def test_a_rank_that_left_then_built_another_set_with_its_peer_agrees_with_it_again(daemon, pages):
-    """Rank 1 closes its buffer and, past the grace, both ranks build another set of the group (another name),
-    rank 0 keeping its first: on the page, rank 0 voted on the first set's page, aborted by the departure, and
-    rank 1 on the new one, so every round was False and their rounds never lined up again."""
+def test_a_rank_that_left_then_built_another_set_with_its_peer_agrees_with_it_again(daemon, pages, late):
+    """Rank 1 closes its buffer and both ranks build another set of the group (another name), rank 0 keeping
+    its first: on the page, rank 0 voted on the first set's page, aborted by the departure, and rank 1 on the
+    new one, so every round was False and their rounds never lined up again. Moving by the aborted page was
+    not enough: built within the grace, rank 0's first vote went to the old page, and the ranks' rounds were
+    one apart for good. The daemon tells both, in the new set's join reply, which set it supersedes."""
     if not pages:
         without_pages(daemon)
     stayer, leaver = group_of(daemon, "rejoin", 2, "--timeout", "5")
     assert leaver.ask("close")["ok"]
-    if pages:
-        aborted(stayer)  # the departure reached the page
-    else:
-        time.sleep(LEAVE_GRACE_S + 0.5)  # and the daemon's agreement
+    if late:
+        if pages:
+            aborted(stayer)  # the departure reached the page
+        else:
+            time.sleep(LEAVE_GRACE_S + 0.5)  # and the daemon's agreement
     for member, rank in ((stayer, 0), (leaver, 1)):
         member.proc.stdin.write(f"fresh rejoin {rank} 2 second\n")
         member.proc.stdin.flush()
     assert [m.read() for m in (stayer, leaver)] == [{"ok": True, "value": pages}] * 2
-    for _ in range(3):
+    assert [r["value"] for r in ask_all([stayer, leaver], "agree")] == [True, True]
+    stayer.proc.stdin.write("refuse\n")  # one no: False on both ranks, in the same round
+    stayer.proc.stdin.flush()
+    assert leaver.ask("agree") == {"ok": True, "value": False} and stayer.read() == {"ok": True, "value": False}
+    for _ in range(2):
+        assert [r["value"] for r in ask_all([stayer, leaver], "agree")] == [True, True]
+    if late:
+        time.sleep(LEAVE_GRACE_S + 0.5)  # the first set's page aborts meanwhile: nothing changes
         assert [r["value"] for r in ask_all([stayer, leaver], "agree")] == [True, True]
     stayer.end()
     leaver.end()

@@ -244,7 +244,7 @@ def test_a_failed_commit_on_the_page_says_whether_a_rank_voted_no_or_the_round_t
     from peerd_client.pagelink import GroupLink
 
     page = pages(2)
-    link = GroupLink(page.instance, 0, 2, "group=g name=n rank 0", agreement_timeout=60)
+    link = GroupLink(page.instance, 0, 2, "group=g name=n rank 0", agreement_timeout=60, set_id=1)
     link.page = page
     peer = PageVoter(twin(page), 1, label="group=g")
     voted = threading.Thread(target=lambda: peer.agree(False, time.monotonic() + 600))  # garbage from a member

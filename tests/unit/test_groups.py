@@ -360,6 +360,21 @@ def test_agreement_rounds_pair_the_kth_call_of_each_rank(reg):
     assert reg.agreements[(None, "a")].rounds == {} and reg.agreements[(None, "a")].calls == {}, "passed rounds are forgotten"
 
 
+def test_a_new_set_names_the_sets_of_its_group_a_rank_no_longer_holds(reg):
+    """Told to every rank in the same reply: a rank still holding such a set votes on the new one from then
+    on, as its peer that left it does (peerd_client.pagelink.link_for)."""
+    old = live_set(reg)
+    release(reg, 1)
+    join(reg, 0, name="again")
+    replies = bodies(join(reg, 1, name="again"))
+    assert [body.get("supersedes") for body in replies.values()] == [[old.id]] * 2, replies
+    release(reg, 0)
+    for r in range(2):
+        commit(reg, r, name="again")
+    third = [bodies(join(reg, r, name="third")) for r in range(2)][1]
+    assert all("supersedes" not in body for body in third.values()), "a set every rank let go of is no one's"
+
+
 def test_a_vote_with_another_npes_than_the_groups_sets_is_refused_and_fixes_nothing(reg):
     """A stray process of the uid voting first as rank 2 of 3 fixed the agreement's npes at 3: the group's
     real ranks, of a 2-rank set, got MISMATCH for as long as any of them lived."""
