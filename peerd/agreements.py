@@ -138,11 +138,11 @@ class Agreements:
         out, agreement = self._agreement_for(caller, pid, uid, group, rank, npes)
         if agreement is None:
             return out
-        if holders and agreement.pids.get(rank, pid) not in holders:  # another process holds the rank now (the
-            self._hand_over(agreement, rank, pid)  # one that voted released it): it goes on from the rank's count
         if agreement.npes != npes:
             message = f"rank {rank} of group={group} agrees with npes={npes} but the group has npes={agreement.npes}"
             return out + [refuse(caller, ErrorCode.MISMATCH, message)]
+        if holders and agreement.pids.get(rank, pid) not in holders:  # another process holds the rank now (the
+            self._hand_over(agreement, rank, pid)  # one that voted released it): it goes on from the rank's count
         owner = agreement.pids.setdefault(rank, pid)
         if owner != pid:
             message = f"rank {rank} of group={group} votes from pid {owner}, not {pid}"
@@ -224,12 +224,13 @@ class Agreements:
             self.voting.discard(before, agreement.key)
         self._votes_in(pid, agreement)
 
-    def rank_back(self, uid: int | None, group: str, rank: int, pid: int) -> None:
-        """``pid`` joined a set of the group as ``rank``: where that rank had left the group's agreement,
-        or died and this is another process, it takes part again (its peers' rounds wait for it) before
-        its first vote."""
+    def rank_back(self, uid: int | None, group: str, rank: int, pid: int, opened: bool) -> None:
+        """``pid`` joined a set of the group as ``rank`` (``opened``: and every rank of that set did):
+        where that rank had left the group's agreement, it takes part again (its peers' rounds wait for
+        it) before its first vote; where it died, another process takes its place once the new set
+        opened (a join alone may never open: the survivors' rounds stay False until then)."""
         agreement = self.kept.get((uid, group))
-        if agreement is not None and (rank in agreement.left or agreement.dead.get(rank, pid) != pid):
+        if agreement is not None and (rank in agreement.left or opened and agreement.dead.get(rank, pid) != pid):
             self._returns(agreement, rank, pid)
 
     def _time_round(self, agreement: Agreement, k: int, rnd: Round, timeout: float, now: float) -> None:

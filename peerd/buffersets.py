@@ -140,9 +140,9 @@ class BufferSet:
 # set of its group: a member's release, commit or fd request finds the set it
 # names (the join reply's ``set``), else the one in which that pid holds the
 # rank, current or retired, and a rank of a retired set still votes for its
-# group in tp_agree. A rank a retired set still holds is refused to the new
-# rendezvous (RANK_TAKEN), as the current set's would be: its process would
-# hold the rank twice over one key.
+# group in tp_agree. A process may not join the new rendezvous as a rank it
+# still holds in a retired set of the key (RANK_TAKEN, as for the current
+# set's holder): it would hold the rank twice over one key.
 
 
 class SetIndex:

@@ -35,10 +35,12 @@ whatever becomes of the daemon's end, and past that user's fd limit the
 kernel refuses every pass (ETOOMANYREFS) unless the daemon holds
 CAP_SYS_RESOURCE: a client that asked over and over and never read would
 stop every other user's setup. So an answered connection whose reply the
-client has not read yet stays open and counts against its uid's
-MAX_CONNECTIONS_PER_UID until the client reads it (the socket's send queue
-empties) or closes; a uid holding that many unread replies is refused more
-(LIMIT_EXCEEDED, with no fd), so one uid holds at most that many replies' fds.
+client has not read yet stays open until the socket's send queue is empty
+(the client read the reply, or closed, which purges it: a shutdown() does
+not), and a uid holding MAX_UNREAD_PER_UID such replies, each looked at
+again just then, is refused more (LIMIT_EXCEEDED, with no fd): one uid holds
+at most that many replies' fds in flight. The cap is well above what a
+node's ranks of one user ask for at once (a chunk and an area each).
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ import errno
 import logging
 import os
 import fcntl
-import select
 import socket
 import struct
 import termios
@@ -75,6 +76,8 @@ MAX_REPLY_BYTES = 1 << 16
 MAX_CONNECTIONS = 64
 #: open connections of one uid at most; past it that uid's own oldest is dropped, never another's
 MAX_CONNECTIONS_PER_UID = 16
+#: answered connections of one uid whose replies (and fds) its clients have not read, at most
+MAX_UNREAD_PER_UID = 64
 #: how long a connection may take to send its request
 REQUEST_WAIT_S = 1.0
 #: how often an answered connection is asked whether its client read the reply
@@ -101,7 +104,9 @@ class FdChannelServer:
         self._listener.listen(MAX_CONNECTIONS)
         self._open: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, deadline, uid), oldest first
         self._unread: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (connection, next look, uid): answered
-        self._poller: zmq.Poller | None = None  # with fds its client has not read yet
+        # with fds its client has not read yet
+        self._quiet: set[int] = set()  # those of them at EOF (half-closed): polled no more, looked at by time
+        self._poller: zmq.Poller | None = None
 
     def attach(self, poller: zmq.Poller) -> None:
         self._poller = poller
@@ -112,11 +117,11 @@ class FdChannelServer:
 
     def serve(self, events: dict, now: float) -> None:
         """One pass: answer what arrived, accept who came, drop who overstayed or read its reply."""
-        for fd in [fd for fd in events if fd in self._open]:
-            self._respond(fd, now)
-        for fd, (conn, look, uid) in list(self._unread.items()):
+        for fd, (_, look, _) in list(self._unread.items()):
             if fd in events or look <= now:  # it closed (its end's hang-up is an event) or may have read
                 self._settle(fd, now)
+        for fd in [fd for fd in events if fd in self._open]:
+            self._respond(fd, now)
         if self._listener.fileno() in events:
             self._accept(now)
         for fd, (_, deadline, _) in list(self._open.items()):
@@ -153,38 +158,47 @@ class FdChannelServer:
 
     def _make_room(self, uid: int) -> None:
         """Room for one more connection of ``uid``: a flood of idle connections pushes out only the
-        flooder's own, so a request another user has just connected for is still read. Its unread
-        replies count in its share but are never pushed out (that would free none of their fds): a
-        uid whose share they fill keeps one connection more, which hears why it is refused."""
+        flooder's own, so a request another user has just connected for is still read."""
         by_uid: dict[int, list[int]] = {}
         for fd, (_, _, owner) in self._open.items():
             by_uid.setdefault(owner, []).append(fd)
-        if uid in by_uid and len(by_uid[uid]) + self._unread_of(uid) >= MAX_CONNECTIONS_PER_UID:
+        if len(by_uid.get(uid, ())) >= MAX_CONNECTIONS_PER_UID:
             self._drop(by_uid[uid][0])
         elif len(self._open) >= MAX_CONNECTIONS:
             self._drop(max(by_uid.values(), key=len)[0])
 
-    def _unread_of(self, uid: int) -> int:
-        return sum(owner == uid for _, _, owner in self._unread.values())
+    def _unread_at_cap(self, uid: int, now: float) -> bool:
+        """Whether ``uid`` holds MAX_UNREAD_PER_UID unread replies, each looked at again first (a client
+        that read a moment ago is not counted)."""
+        mine = [fd for fd, (_, _, owner) in self._unread.items() if owner == uid]
+        if len(mine) < MAX_UNREAD_PER_UID:
+            return False
+        for fd in mine:
+            self._settle(fd, now)
+        return sum(owner == uid for _, _, owner in self._unread.values()) >= MAX_UNREAD_PER_UID
 
     def _settle(self, fd: int, now: float) -> None:
-        """Drop an answered connection once its client read the reply or closed; else look again later.
-        Whatever the client sends after its request is discarded, so it never keeps the loop busy."""
+        """Drop an answered connection once its reply left the send queue (read, or purged by a close);
+        else look again later. What the client sends after its request is discarded, and a client at
+        EOF (half-closed) is polled no more, so neither keeps the loop busy."""
         conn, _, uid = self._unread[fd]
-        poll = select.poll()
-        poll.register(fd, select.POLLIN)
-        hung_up = any(events & select.POLLHUP for _, events in poll.poll(0))
+        ended = False
         with contextlib.suppress(OSError):
             for _ in range(8):
-                conn.recv(1, socket.MSG_DONTWAIT)  # a whole message goes, however long
+                if not conn.recv(1, socket.MSG_DONTWAIT):  # a whole message goes, however long
+                    ended = True
+                    break
         try:
             queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, bytes(4)))[0]  # SIOCOUTQ: unread bytes
         except OSError:
             queued = 0
-        if queued and not hung_up:
-            self._unread[fd] = (conn, now + UNREAD_CHECK_S, uid)
-        else:
+        if not queued:
             self._drop(fd)
+            return
+        self._unread[fd] = (conn, now + UNREAD_CHECK_S, uid)
+        if ended and fd not in self._quiet:
+            self._quiet.add(fd)
+            self._poller.unregister(fd)
 
     def _respond(self, fd: int, now: float) -> None:
         conn, _, uid = self._open[fd]
@@ -196,9 +210,9 @@ class FdChannelServer:
         except OSError:
             data, flags = b"", 0
         if data and not flags & socket.MSG_TRUNC and len(data) <= MAX_REQUEST_BYTES:
-            reply, fds = self._reply(conn, data) if self._unread_of(uid) < MAX_CONNECTIONS_PER_UID else (
+            reply, fds = self._reply(conn, data) if not self._unread_at_cap(uid, now) else (
                 {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
-                    f"uid {uid} has {MAX_CONNECTIONS_PER_UID} fd channel replies it has not read (their file "
+                    f"uid {uid} has {MAX_UNREAD_PER_UID} fd channel replies it has not read (their file "
                     "descriptors are in flight): a process of this user asks for fds and never reads them; "
                     "stop it")}, [])
             if self._send(conn, reply, fds) and fds:  # fds in flight: counted until read, even a part
@@ -246,7 +260,10 @@ class FdChannelServer:
 
     def _drop(self, fd: int) -> None:
         conn, _, _ = self._open.pop(fd, None) or self._unread.pop(fd)
-        self._poller.unregister(fd)
+        if fd in self._quiet:
+            self._quiet.discard(fd)
+        else:
+            self._poller.unregister(fd)
         conn.close()
 
 

@@ -40,7 +40,8 @@ Free = Callable[[Allocation], None]
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
 Left = Callable[["int | None", str, int, int, str], Outbox]  # (owner uid, group, rank, pid, reason): it left the group
-Back = Callable[["int | None", str, int, int], None]  # (owner uid, group, rank, pid): it joined a set of the group
+Back = Callable[["int | None", str, int, int, bool], None]  # (owner uid, group, rank, pid, the set opened):
+# it joined a set of the group
 
 SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
@@ -68,7 +69,7 @@ class Rendezvous:
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
                  pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
                  left: Left = lambda uid, group, rank, pid, reason: [],
-                 back: Back = lambda uid, group, rank, pid: None):
+                 back: Back = lambda uid, group, rank, pid, opened: None):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._left, self._back = left, back  # the group's agreement, told as a member leaves it and comes back
         self._allocate = allocate
@@ -95,18 +96,18 @@ class Rendezvous:
         refusal = self._quotas.shape_refusal(req)
         if refusal:
             return [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
-        bset, out = self._set_to_join(caller, (who.uid, req["group"], req["name"]), req, now)
+        bset, out = self._set_to_join(caller, who, (who.uid, req["group"], req["name"]), req, now)
         if bset is None:
             return out
         return self._take_slot(bset, caller, who, req, now)
 
     def _set_to_join(
-        self, caller: Caller, key: SetKey, req: dict[str, Any], now: float
+        self, caller: Caller, who: Credentials, key: SetKey, req: dict[str, Any], now: float
     ) -> tuple[BufferSet | None, Outbox]:
         """The set ``rank`` joins, or the replies that end its join here."""
         rank = req["rank"]
         bset = self.index.current.get(key)
-        refused = self._held_in_retired(key, rank, bset, caller)
+        refused = self._held_in_retired(key, rank, bset, caller, who.pid)
         if refused:
             return None, [refused]
         if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
@@ -146,7 +147,7 @@ class Rendezvous:
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
         self.index.take_slot(bset, Slot(rank, pid, uid, device, allocation, now, waiter=caller))
-        self._back(bset.owner_uid, bset.group, rank, pid)
+        self._back(bset.owner_uid, bset.group, rank, pid, False)
         timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
         log.debug("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
@@ -219,13 +220,14 @@ class Rendezvous:
             self._forget(bset)
         return None
 
-    def _held_in_retired(self, key: SetKey, rank: int, current: BufferSet | None, caller: Caller) -> Send | None:
-        """A new rendezvous of a key may not take a rank a retired set of the key still holds, as the
-        current set's holder may not (``_supersede``): that process would hold the rank twice, and its
-        commit, named by key, could be taken for the retired set's. See Note [Retired sets]."""
+    def _held_in_retired(self, key: SetKey, rank: int, current: BufferSet | None, caller: Caller,
+                         caller_pid: int) -> Send | None:
+        """A process may not join a new rendezvous of a key as a rank it still holds in a retired set of
+        the key: it would hold the rank twice over one key (another process may: the old one is on its
+        way out). See Note [Retired sets]."""
         for bset in self.index.of_group(key[0], key[1]):
             held = bset.slots.get(rank) if bset.name == key[2] and bset is not current else None
-            if held is not None and held.held:
+            if held is not None and held.held and held.pid == caller_pid:
                 message = (f"rank {rank} of {bset.label} is still held by pid {held.pid}; close that PeerBuffer "
                            "first, or pass another name=")
                 return refuse(caller, ErrorCode.RANK_TAKEN, message)
@@ -281,6 +283,8 @@ class Rendezvous:
         if superseded:
             body["supersedes"] = superseded
         self._handed([s.allocation for s in slots], [s.pid for s in slots])
+        for s in slots:  # a process in a dead rank's place takes part from now on
+            self._back(bset.owner_uid, bset.group, s.rank, s.pid, True)
         log.debug("%s ready: handles sent to %d ranks", bset.label, bset.npes)
         out = []
         for s in slots:

@@ -240,6 +240,7 @@ class Daemon:
                 log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
                             "still touch its memory", bset.label, holders)
         self._notifier.stopping("stopping: freeing every buffer")
+        self.backend.stopping()  # what live workers still map stays as it is
         self.pages.shutdown()  # every group's abort word, before its memory goes
         self._deliver(self.registry.shutdown())
         if self.metrics is not None:

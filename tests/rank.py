@@ -112,6 +112,18 @@ def dropped(args) -> dict:
     return {"left": [g for g in listing if g["group"] == args.group]}
 
 
+def kept(args) -> dict:
+    """Fill a buffer, print READY, and read it back after a line on stdin (the test stops the daemon
+    meanwhile): a daemon that stops leaves the memory of live workers as it is."""
+    from peerd_client import PeerBuffer
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    buf.bytes.fill_(args.rank + 7)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    return {"kept": bool((buf.bytes == args.rank + 7).all())}
+
+
 def outlived(args) -> dict:
     """Keep only the buffer's bytes view: the buffer (and the mapping under the view) lives as long as
     the view, and is released once the view goes too."""
@@ -643,6 +655,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "kept": kept,
     "outlived": outlived,
     "close_race": close_race,
     "interruptible": interruptible,

@@ -115,6 +115,10 @@ class MemoryBackend(ABC):
     def share_fd_room(self, room: FdRoom) -> None:
         """Count the fds the backend keeps open in the daemon's room (peerd.fdroom) from now on."""
 
+    def stopping(self) -> None:
+        """Shutdown begins: memory freed from now on is left as it is (nothing zeroes or punches it), for
+        the processes still mapping it, whose kernels may still run."""
+
     @abstractmethod
     def close(self) -> None:
         """Release what the backend holds, at shutdown."""
@@ -168,6 +172,9 @@ class ChunkMemory(ABC):
     def chunk_fd(self, token: Any) -> int | None:
         """The fd a member receives for a chunk over the fd channel; None where the handle suffices."""
         return None
+
+    def stopping(self) -> None:
+        """Shutdown begins (MemoryBackend.stopping)."""
 
     def close(self) -> None:
         """Release what the backend itself holds (contexts), at shutdown."""

@@ -114,6 +114,9 @@ class ArenaMemory(MemoryBackend):
         with self._lock:
             self._log_freed(self.arenas.trim(), "empty")
 
+    def stopping(self) -> None:
+        self.chunks.stopping()
+
     def close(self) -> None:
         """Shutdown: every empty chunk goes back, then the backend closes."""
         with self._lock:

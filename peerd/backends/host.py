@@ -210,6 +210,9 @@ class Memory(ChunkMemory):
                 "could not be reserved now"
             )
 
+    def stopping(self) -> None:
+        self._reserver.keep_pages()
+
     def close(self) -> None:
         self._reserver.close()
 

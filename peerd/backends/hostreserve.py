@@ -185,6 +185,7 @@ class Reserver:
         self._closes_done = 0  # closes ended so far: a room check that raced one tries again
         self._parked: list[Reservation] = []  # chunks whose step waits for the closes under way to end
         self._stopping = False
+        self._keep_pages = False  # shutdown: freed memory stays as it is for whoever still maps it
         self.wake_fd, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._woken: list[Reservation] = []  # chunks whose work ended since the loop last asked
         self._threads: list[threading.Thread] = []  # started with the first reservation
@@ -231,7 +232,7 @@ class Reserver:
         """Zero a freed range: its pages punched out (they read zero), then reserved again, so nobody takes
         a SIGBUS on first touch. Until then ``ready`` says no for it."""
         with self._lock:
-            if reservation.error is not None or reservation.freed:
+            if reservation.error is not None or reservation.freed or self._keep_pages:
                 return  # never handed out again
             reservation.unzeroed.remove(offset, offset + nbytes)  # a range that failed is tried again
             reservation.zeroing.add(offset, offset + nbytes)
@@ -258,6 +259,12 @@ class Reserver:
                 self._close_later(reservation)
                 return
         self._close(reservation)  # no thread is left to do it
+
+    def keep_pages(self) -> None:
+        """Shutdown begins: nothing freed from now on is zeroed or punched out. Live workers still map
+        their buffers (the kernel frees the pages with their last holder), and may still read them."""
+        with self._lock:
+            self._keep_pages = True
 
     def close(self) -> None:
         """Stop: the steps under way end, the closes asked for are made, no further step is taken."""
@@ -345,8 +352,9 @@ class Reserver:
             if reservation.closed:
                 return
             reservation.closed = True
-        with contextlib.suppress(OSError):  # a bad fd: the close fails alike
-            punch_out(reservation.fd, 0, reservation.nbytes)
+        if not self._keep_pages:
+            with contextlib.suppress(OSError):  # a bad fd: the close fails alike
+                punch_out(reservation.fd, 0, reservation.nbytes)
         with contextlib.suppress(OSError):
             os.close(reservation.fd)
         with self._lock:

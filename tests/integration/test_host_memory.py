@@ -12,6 +12,7 @@ import grp
 import json
 import os
 import pwd
+import signal
 import socket
 import subprocess
 import sys
@@ -356,3 +357,20 @@ def test_a_buffer_past_the_memory_the_machine_has_available_is_refused_before_an
         wait_until(lambda: d.segments() == [], 10, "the modest buffer's memfd to close")
     finally:
         assert d.stop() == 0, d.logs()
+
+
+@pytest.mark.parametrize("idle_s", ["0", "30"], ids=["chunks-freed-when-empty", "chunks-kept"])
+def test_a_daemon_that_stops_leaves_the_memory_of_live_workers_as_it_is(socket_dir, idle_s):
+    """Freed chunks are punched out before they close, so a member that kept a memfd keeps none of the
+    daemon's memory; at shutdown that zeroed every live worker's buffer under it. A stopping daemon now
+    leaves freed memory as it is (the kernel frees it with its last holder)."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               extra_env={"PEERD_ARENA_IDLE_S": idle_s}).start()
+    rank = start_rank(d, "kept", 0, 1, "--group", "kept", "--nbytes", str(1 << 20), stdin=subprocess.PIPE)
+    assert rank.stdout.readline().strip() == "READY"
+    d.proc.send_signal(signal.SIGTERM)  # draining
+    wait_until(lambda: "draining" in d.logs(), 10, "the daemon to start draining")
+    assert d.stop() == 0, d.logs()[-3000:]  # again: it stops at once, the set still held
+    rank.stdin.write("\n")
+    rank.stdin.flush()
+    assert finish(rank, 30).get("kept") is True

@@ -130,13 +130,15 @@ def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(chan
     """A reply's fds count against the daemon's user until they are read, whatever becomes of the daemon's
     end: a client that asked over and over and never read made the kernel refuse every other user's pass
     (ETOOMANYREFS). An answered connection now counts against its uid until its client reads or closes, and
-    a uid holding its share of unread replies is refused more, with no fd."""
+    a uid holding its share of unread replies is refused more, with no fd. A burst of ordinary requests, each
+    read at once, is never refused."""
+    import concurrent.futures
     import select
     import socket as sockets
 
     import msgpack
 
-    from peerd.fdchannel import MAX_CONNECTIONS_PER_UID, UNREAD_CHECK_S, connect
+    from peerd.fdchannel import MAX_UNREAD_PER_UID, UNREAD_CHECK_S, connect
 
     path, answers = channel
     memory = os.memfd_create("peerd-test")
@@ -155,7 +157,7 @@ def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(chan
             _, fds = fetch_fds(path, slot, 10)
         except ProtocolError as err:
             assert err.code is ErrorCode.LIMIT_EXCEEDED, err
-            assert f"has {MAX_CONNECTIONS_PER_UID} fd channel replies it has not read" in err.message, err
+            assert f"has {MAX_UNREAD_PER_UID} fd channel replies it has not read" in err.message, err
             return False
         finally:
             time.sleep(0.2)  # the channel sees this connection close
@@ -164,9 +166,12 @@ def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(chan
         return True
 
     try:
-        unread = [ask_and_leave_unread() for _ in range(MAX_CONNECTIONS_PER_UID)]
+        unread = [ask_and_leave_unread() for _ in range(MAX_UNREAD_PER_UID - 1)]
+        unread[-1].shutdown(sockets.SHUT_RDWR)  # its queue, fds and all, stays: still unread
+        unread[-2].shutdown(sockets.SHUT_WR)  # at EOF, unread: polled no more, still counted
+        unread.append(ask_and_leave_unread())
         time.sleep(2 * UNREAD_CHECK_S)  # looked at since: still unread
-        assert not served(), "a seventeenth reply would put more fds in flight"
+        assert not served(), "one reply more would put more fds in flight"
         _, fds, _, _ = sockets.recv_fds(unread[0], 1 << 16, 8)  # read, the socket kept open: its place comes back
         for fd in fds:
             os.close(fd)
@@ -179,5 +184,8 @@ def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(chan
         assert served()
         for sock in unread:
             sock.close()
+        time.sleep(0.2)
+        with concurrent.futures.ThreadPoolExecutor(2 * MAX_UNREAD_PER_UID) as pool:  # ranks asking at once
+            assert all(pool.map(lambda _: served(), range(2 * MAX_UNREAD_PER_UID)))
     finally:
         os.close(memory)

@@ -898,6 +898,25 @@ def test_a_new_process_in_a_dead_ranks_place_takes_part_from_its_join(reg):
     assert verdict == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}, verdict
 
 
+def test_a_dead_ranks_replacement_counts_once_its_set_opened_not_at_its_join(reg):
+    """Counted back at its join, the survivor's rounds waited for a process whose set might never open
+    (its rendezvous then timed out too): the survivor hears the death until the new set opens."""
+    live_set(reg)
+    vote_as(reg, 0, 100), vote_as(reg, 1, 101)
+    reg.process_died(101, 1.0)
+    join(reg, 1, pid=201)  # the key's new rendezvous: rank 0 (pid 100) still holds the old set
+    assert bodies(vote_as(reg, 0, 100)) == {("a", 0): {"ok": False, "reason": "rank 1 (pid 101) died"}}
+
+
+def test_another_process_may_take_a_rank_a_retired_set_still_holds(reg):
+    """A new job's rank 0 (another process) joins while the old job's rank 0 still tears down its retired
+    set: refused only to the process that holds the rank there itself."""
+    live_set(reg)
+    reg.process_died(101, 1.0)
+    assert join(reg, 1, pid=201) == []  # the old set retires: pid 100 still holds rank 0 of it
+    assert errors(join(reg, 0, pid=200)) == {}
+
+
 def test_a_process_that_takes_a_released_rank_within_the_grace_votes_for_it(reg):
     """Rank 1's process released, and another took its place in a new set of the group within the grace: the
     rank was still marked as having left (its peers' rounds False), and the newcomer's votes were refused
