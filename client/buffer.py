@@ -129,7 +129,7 @@ class PeerBuffer:
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             chunks = [(conn.hello["pid"], handle) for handle in joined["handles"]]
             if self._mapper.passes_fds and not all(mappings.mapped(key) for key in chunks):
-                fds = _member_fds(conn, self._held(member), joined["handles"])
+                fds = _member_fds(conn, self._held(), joined["handles"])
             for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
                 whole = offset == 0 and joined["sizes"][n] == span
                 pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)
@@ -144,7 +144,7 @@ class PeerBuffer:
         self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
                                conn.hello["agreement_timeout"], joined["set"])
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
-            self._link.attach(conn, self._held(member), self.device, joined.get("page"))
+            self._link.attach(conn, self._held(), self.device, joined.get("page"))
         try:
             if failure is None and self._link.page is not None:
                 verdict = self._commit_on_page(conn, member, pointers, agreement)
@@ -152,7 +152,7 @@ class PeerBuffer:
                 reason = "" if failure is None else f"{type(failure).__name__}: {failure}"[:MAX_REASON_CHARS]
                 verdict = conn.call(
                     "commit",
-                    {**self._held(member), "ok": failure is None, "reason": reason, "timeout": agreement},
+                    {**self._held(), "ok": failure is None, "reason": reason, "timeout": agreement},
                     timeout=agreement + GRACE_S,
                     meanwhile=None if failure else lambda: self._view(pointers),  # while the others vote
                 )
@@ -179,7 +179,7 @@ class PeerBuffer:
         self._view(pointers)
         verdict = self._link.commit(timeout)
         if not verdict["aborted"]:  # after the vote, so nobody waits for it; this rank's release follows it
-            conn.post("commit", {**self._held(member), "ok": verdict["ok"], "timeout": timeout, "page": True,
+            conn.post("commit", {**self._held(), "ok": verdict["ok"], "timeout": timeout, "page": True,
                                  "reason": verdict["reason"][:MAX_REASON_CHARS]})
         return verdict
 
@@ -221,10 +221,10 @@ class PeerBuffer:
     def _slot(self, member: Membership) -> dict:
         return {"group": member.key, "name": self.name, "rank": member.rank}
 
-    def _held(self, member: Membership) -> dict:
+    def _held(self) -> dict:
         """The slot, and the set this rank joined: the daemon answers for that set alone, never for
         another set of the key this process may still hold."""
-        return {**self._slot(member), "set": self._set}
+        return {"group": self.group_key, "name": self.name, "rank": self.rank, "set": self._set}
 
     def _guard(self) -> None:
         if os.getpid() != self._pid:
@@ -340,7 +340,7 @@ class PeerBuffer:
             except Exception as err:  # a broken context must not keep the set held
                 log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
         self._released = True  # only now: a close interrupted before this point is done again by the next one
-        slot = {"group": self.group_key, "name": self.name, "rank": self.rank, "set": self._set}
+        slot = self._held()
         try:
             if wait:
                 self._conn.call("release", slot)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .buffersets import RankKey, SetIndex
 from .credentials import Credentials
@@ -31,7 +31,7 @@ from .outbox import Caller, Outbox, Send, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
-from .timers import Check, Timers, Waits
+from .timers import Timers, Waits
 
 log = logging.getLogger("peerd.agreements")
 

@@ -63,6 +63,16 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 #     after that. Such a set does not count against --max-groups.
 
 
+#: what a process refused a rank it still holds can do
+CLOSE_FIRST = "; close that PeerBuffer first, or pass another name="
+
+
+def _still_held(caller: Caller, bset: BufferSet, held: Slot, advice: str) -> Send:
+    """RANK_TAKEN: the rank this caller asks for is held in ``bset``."""
+    message = f"rank {held.rank} of {bset.label} is still held by pid {held.pid}{advice}"
+    return refuse(caller, ErrorCode.RANK_TAKEN, message)
+
+
 class Rendezvous:
     """Every buffer set's rules; the sets themselves live in ``index``."""
 
@@ -113,7 +123,7 @@ class Rendezvous:
         if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
             return None, [self._tell_failure(bset, rank, caller)]
         if bset is not None and bset.state is not State.JOINING:
-            refused = self._supersede(bset, rank, caller, "; close that PeerBuffer first, or pass another name=")
+            refused = self._supersede(bset, rank, caller, CLOSE_FIRST)
             if refused:
                 return None, [refused]
             bset = None
@@ -212,8 +222,7 @@ class Rendezvous:
         old set, else the old set retires. See Note [Retired sets]."""
         held = bset.slots.get(rank)
         if held is not None and held.held:
-            message = f"rank {rank} of {bset.label} is still held by pid {held.pid}{advice}"
-            return refuse(caller, ErrorCode.RANK_TAKEN, message)
+            return _still_held(caller, bset, held, advice)
         if bset.holding_slots():
             self.index.retire(bset)
         else:  # a kept verdict: the new rendezvous replaces it
@@ -228,9 +237,7 @@ class Rendezvous:
         for bset in self.index.of_group(key[0], key[1]):
             held = bset.slots.get(rank) if bset.name == key[2] and bset is not current else None
             if held is not None and held.held and held.pid == caller_pid:
-                message = (f"rank {rank} of {bset.label} is still held by pid {held.pid}; close that PeerBuffer "
-                           "first, or pass another name=")
-                return refuse(caller, ErrorCode.RANK_TAKEN, message)
+                return _still_held(caller, bset, held, CLOSE_FIRST)
         return None
 
     def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
