@@ -71,9 +71,10 @@ def gloo_round():
     return one_round
 
 
-def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict, dict]:
+def time_paths(calls: dict, rank: int, args, start: C.Start, rounds: dict | None = None) -> tuple[dict, dict, dict]:
     """Time every path of ``calls`` (name -> a round returning True) the same way, alternating:
-    (per-call durations, per-block round periods, synchronized (elapsed, lag) pairs), by path."""
+    (per-call durations, per-block round periods, synchronized (elapsed, lag) pairs), by path.
+    ``rounds`` gives a slow path fewer back-to-back rounds than ``args.rounds``."""
     import torch.distributed as dist
 
     paths = list(calls)
@@ -86,20 +87,20 @@ def time_paths(calls: dict, rank: int, args, start: C.Start) -> tuple[dict, dict
     gc.disable()  # a collection pause in a worker would land in whichever path it hit: neither's to pay
     durations = {p: [] for p in paths}
     periods = {p: [] for p in paths}
-    per_block = max(1, args.rounds // args.blocks)
+    per_block = {p: max(1, (rounds or {}).get(p, args.rounds) // args.blocks) for p in paths}
     clock = time.perf_counter
     for b in range(args.blocks):
         for path in (paths if b % 2 == 0 else paths[::-1]):
             fn, out = calls[path], durations[path]
             start.wait(rank)
             t_block = clock()
-            for _ in range(per_block):
+            for _ in range(per_block[path]):
                 t0 = clock()
                 ok = fn()
                 out.append(clock() - t0)
                 if not ok:
                     raise RuntimeError(f"{path} agreement returned False")
-            periods[path].append((clock() - t_block) / per_block)
+            periods[path].append((clock() - t_block) / per_block[path])
     synced = {p: [] for p in paths}  # (elapsed from the common instant, start lag) per round
     for j in range(args.sync_rounds):
         for path in (paths if j % 2 == 0 else paths[::-1]):

@@ -1,4 +1,4 @@
-"""tp_agree on the group's control page against gloo all_reduce(MIN), same run.
+"""tp_agree on the group's control page against gloo all_reduce(MIN) and the daemon's messages, same run.
 
     python bench/agree_page.py                      # N = 2, 4, 8, host backend
     python bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000
@@ -7,8 +7,11 @@
 A daemon of its own (``--backend``) serves N spawned workers; each builds a
 PeerBuffer of one group (the daemon hands every rank the set's control page,
 peerd.pages) and a gloo group, then times the public ``tp_agree(True, key)``,
-which runs on the page (the bench refuses a group left on the message path).
-The measurements are bench/agree_latency.py's (time_paths): synchronized
+which runs on the page (the bench refuses a group left on the message path),
+and ``tp_agree(True, key, rank, npes)`` of a group nobody holds a buffer of,
+which goes through the daemon: the message path, the page's fallback, timed
+in the same run so the page can be held against it (issue 16's target on an
+oversubscribed machine: no worse than the message path). The measurements are bench/agree_latency.py's (time_paths): synchronized
 rounds, p50 / p99 from a common instant until the slowest rank has the
 answer, and back-to-back rounds, whose mean period gives rounds per second.
 """
@@ -23,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 import agree_latency as AL  # noqa: E402
 
-PATHS = ("page", "gloo")
+PATHS = ("page", "message", "gloo")
 
 
 def page_worker(rank, npes, args, start: C.Start, port, results) -> None:
@@ -39,7 +42,11 @@ def page_worker(rank, npes, args, start: C.Start, port, results) -> None:
             raise RuntimeError("the group was left on the daemon's message path: no control page to time")
         if args.spin_us is not None:
             link_for(key).voter.spin_s = args.spin_us * 1e-6
-        timed = AL.time_paths({"page": lambda: tp_agree(True, key), "gloo": AL.gloo_round()}, rank, args, start)
+        by_message = f"agree-message-{npes}"  # no PeerBuffer of it: every round goes through the daemon
+        timed = AL.time_paths({"page": lambda: tp_agree(True, key),
+                               "message": lambda: tp_agree(True, by_message, rank, npes),
+                               "gloo": AL.gloo_round()}, rank, args, start,
+                              rounds={"message": min(args.rounds, args.message_rounds)})
         buf.close()
         results.put((rank, *timed, None))
     except BaseException:
@@ -51,6 +58,8 @@ def main() -> None:
     parser = AL.agreement_parser(__doc__.split("\n\n")[0], rounds=20000, warmup=200)
     parser.add_argument("--spin-us", type=float, default=None, help="microseconds a waiting rank spins before it "
                         "sleeps on the futex (default: peerd.controlpage.spin_budget)")
+    parser.add_argument("--message-rounds", type=int, default=4000, help="back-to-back rounds of the message "
+                        "path (about a millisecond each at 8 ranks), at most --rounds")
     args = parser.parse_args()
 
     info = {"bench": "agree_page", "machine": C.machine(), "backend": args.backend, "command": C.command_line(),
@@ -60,18 +69,24 @@ def main() -> None:
             info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS)
             C.save("agree_page", info, args.out, quiet=True)
 
-    rows, rows2 = AL.sync_rows(info, "page"), []
+    rows, rows2, rows3 = AL.sync_rows(info, "page"), [], []
     for n, r in info["by_n"].items():
-        p, g = r["page"], r["gloo"]
-        rows2.append([n, f"{1 / p['round_period']:,.0f}", f"{1 / g['round_period']:,.0f}",
-                      C.ms(p["per_call"]["p50"]), C.ms(p["per_call"]["p99"]),
+        p, m, g = r["page"], r["message"], r["gloo"]
+        rows2.append([n, f"{1 / p['round_period']:,.0f}", f"{1 / m['round_period']:,.0f}",
+                      f"{1 / g['round_period']:,.0f}", C.ms(p["per_call"]["p50"]), C.ms(p["per_call"]["p99"]),
                       C.ms(g["per_call"]["p50"]), C.ms(g["per_call"]["p99"])])
+        rows3.append([n, C.ms(p["sync"]["p50"]), C.ms(p["sync"]["p99"]), C.ms(m["sync"]["p50"]),
+                      C.ms(m["sync"]["p99"]), C.ratio(p["sync"]["p50"], m["sync"]["p50"]),
+                      C.ratio(p["sync"]["p99"], m["sync"]["p99"]), C.ratio(m["round_period"], p["round_period"])])
     print(f"\nagreement latency, synchronized rounds, ms ({args.sync_rounds} rounds per path; from the common "
           "start until the slowest rank has the answer; ratio = page / gloo)")
     print(C.table(["N", *AL.SYNC_COLUMNS], rows))
+    print("\nthe page against the daemon's message path (its fallback), same rounds; ratio = page / message")
+    print(C.table(["N", "page p50", "p99", "message p50", "p99", "ratio p50", "ratio p99",
+                   "page rounds per message round"], rows3))
     print(f"\nback-to-back rounds ({args.rounds} rounds per path)")
-    print(C.table(["N", "page rounds/s", "gloo rounds/s", "page call p50 ms", "p99", "gloo call p50", "p99"],
-                  rows2))
+    print(C.table(["N", "page rounds/s", "message rounds/s", "gloo rounds/s", "page call p50 ms", "p99",
+                   "gloo call p50", "p99"], rows2))
     C.save("agree_page", info, args.out)
 
 
