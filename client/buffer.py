@@ -70,7 +70,7 @@ class PeerBuffer:
     ):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        torch = require_torch()
+        require_torch()  # before any call to the daemon: without torch, nothing is asked of it
         self._pid = os.getpid()
         self._handles: list[bytes] = []
         self._chunks: list[ChunkKey] = []

@@ -41,6 +41,11 @@ Rules:
   opens a set only once every chunk it uses is ``ready``. A chunk whose
   memory could not be had after all is ``forsake``n: nothing more goes in
   it, and it goes back once its last buffer is released.
+- **Nothing zeroed at shutdown.** Once the daemon stops (``stopping``), a
+  freed range is left as it is and never handed out again: workers still
+  map it and their kernels may still run on it (a zeroed flag under a
+  spinning kernel reads as a peer's signal). The memory goes with the
+  daemon's context, or with the last mapping of its fd.
 - **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
   (``sweep``; at once when ``idle_s`` is 0), and every empty chunk on
   ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
@@ -186,6 +191,7 @@ class Arenas:
         self._reserved: dict[int | None, int] = {}  # uid -> bytes of its chunks
         self._mapped: Index[int, int, Chunk] = Index()  # pid -> the shared chunks it was handed
         self._ids = itertools.count(1)
+        self._stopping = False
 
     def reserved(self, uid: int | None) -> int:
         return self._reserved.get(uid, 0)
@@ -280,10 +286,16 @@ class Arenas:
         if not chunk.used and chunk.id in self.chunks:
             self._drop(chunk)
 
+    def stopping(self) -> None:
+        """Shutdown begins: see the rule "Nothing zeroed at shutdown"."""
+        self._stopping = True
+
     def release(self, placement: Placement, now: float) -> None:
         """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
         chunk = placement.chunk
         size = chunk.used.pop(placement.offset)
+        if self._stopping:
+            return  # left as it is, never handed out again; trim gives the chunk back if nobody maps it
         if chunk.forsaken:
             if not chunk.used:
                 self._drop(chunk)  # no process was handed it: its handles never went out

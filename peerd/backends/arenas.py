@@ -115,6 +115,8 @@ class ArenaMemory(MemoryBackend):
             self._log_freed(self.arenas.trim(), "empty")
 
     def stopping(self) -> None:
+        with self._lock:
+            self.arenas.stopping()
         self.chunks.stopping()
 
     def close(self) -> None:

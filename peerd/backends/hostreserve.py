@@ -231,7 +231,7 @@ class Reserver:
         """Zero a freed range: its pages punched out (they read zero), then reserved again, so nobody takes
         a SIGBUS on first touch. Until then ``ready`` says no for it."""
         with self._lock:
-            if reservation.error is not None or reservation.freed or self._keep_pages:
+            if reservation.error is not None or reservation.freed:
                 return  # never handed out again
             reservation.unzeroed.remove(offset, offset + nbytes)  # a range that failed is tried again
             reservation.zeroing.add(offset, offset + nbytes)
@@ -260,8 +260,9 @@ class Reserver:
         self._close(reservation)  # no thread is left to do it
 
     def keep_pages(self) -> None:
-        """Shutdown begins: nothing freed from now on is zeroed or punched out. Live workers still map
-        their buffers (the kernel frees the pages with their last holder), and may still read them."""
+        """Shutdown begins: no chunk closed from now on is punched out (the arena zeroes no range either:
+        peerd.arena). Live workers still map their buffers (the kernel frees the pages with their last
+        holder), and may still read them."""
         with self._lock:
             self._keep_pages = True
 

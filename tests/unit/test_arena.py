@@ -206,6 +206,25 @@ def test_trim_frees_every_empty_chunk_and_keeps_used_ones(arenas, source):
     assert list(arenas.chunks.values()) == [kept.chunk]
 
 
+def test_once_the_daemon_stops_a_freed_range_keeps_its_data_and_never_goes_out_again(arenas, source):
+    """A worker still maps its buffer while the daemon shuts down, and its kernel may still poll it: a range
+    zeroed under it would read as a peer's signal. Nothing is zeroed; trim gives back what nobody maps."""
+    kept, mapped = arenas.place(4096, "gpu0", 0, 1000), arenas.place(4096, "gpu1", 0, 1000)
+    arenas.handed([mapped], [7])
+    for p in (kept, mapped):
+        source.memory[p.chunk.token][p.offset:p.offset + 4] = b"flag"
+    arenas.stopping()
+    arenas.release(kept, now=0.0)
+    arenas.release(mapped, now=0.0)
+    assert source.pending == {} and kept.chunk.zeroing == [], "nothing zeroes a range at shutdown"
+    assert all(source.memory[p.chunk.token][p.offset:p.offset + 4] == b"flag" for p in (kept, mapped))
+    again = arenas.place(4096, "gpu0", 0, 1000)
+    assert (again.chunk, again.offset) != (kept.chunk, kept.offset), "a range left as it is never goes out again"
+    arenas.release(again, now=0.0)
+    assert [c.token for c in arenas.trim()] == [kept.chunk.token] and source.freed == [kept.chunk.token]
+    assert mapped.chunk.token in source.memory, "pid 7 may still map its chunk"
+
+
 def test_the_chunk_size_must_be_aligned(source):
     with pytest.raises(ValueError, match="multiple of 4096"):
         Arenas(source, CHUNK + 1)
