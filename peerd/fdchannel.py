@@ -40,7 +40,11 @@ client has not read yet stays open until the socket's send queue is empty
 not), and a uid holding MAX_UNREAD_PER_UID such replies, each looked at
 again just then, is refused more (LIMIT_EXCEEDED, with no fd): one uid holds
 at most that many replies' fds in flight. The cap is well above what a
-node's ranks of one user ask for at once (a chunk and an area each).
+node's ranks of one user ask for at once (a chunk and an area each). Each
+such connection also holds a place in the daemon's fd room (peerd.fdroom)
+until it goes, and a request that finds the room full is refused: the
+users of the socket group together cannot spend the fds the daemon's
+connections need, however many of them there are.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import zmq
 
 from .access import GroupSource, peer_groups, secure_socket
 from .credentials import Credentials
+from .fdroom import FdRoom
 from .protocol import ErrorCode, ProtocolError
 from .trust import peer_credentials
 
@@ -78,6 +83,9 @@ MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_UID = 16
 #: answered connections of one uid whose replies (and fds) its clients have not read, at most
 MAX_UNREAD_PER_UID = 64
+#: the share of the daemon's fd room (peerd.fdroom) those may fill, with whatever else is in it: the rest
+#: stays for the pidfds, as a process the daemon cannot watch cannot join
+UNREAD_FD_SHARE = 0.75
 #: how long a connection may take to send its request
 REQUEST_WAIT_S = 1.0
 #: how often an answered connection is asked whether its client read the reply
@@ -92,11 +100,12 @@ Answer = Callable[[Credentials, GroupSource, Any], "tuple[list[bytes], list[int]
 class FdChannelServer:
     """The daemon's half, driven by the daemon's poller."""
 
-    def __init__(self, path: str, gid: int | None, answer: Answer) -> None:
+    def __init__(self, path: str, gid: int | None, answer: Answer, room: FdRoom) -> None:
         with contextlib.suppress(FileNotFoundError):  # left by a daemon that is gone: the caller holds the lock
             os.unlink(path)
         self.path = path
         self._answer = answer
+        self._room = room  # a place for each connection kept open for its unread reply
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.setblocking(False)
         self._listener.bind(path)
@@ -210,16 +219,29 @@ class FdChannelServer:
         except OSError:
             data, flags = b"", 0
         if data and not flags & socket.MSG_TRUNC and len(data) <= MAX_REQUEST_BYTES:
-            reply, fds = self._reply(conn, data) if not self._unread_at_cap(uid, now) else (
-                {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
-                    f"uid {uid} has {MAX_UNREAD_PER_UID} fd channel replies it has not read (their file "
-                    "descriptors are in flight): a process of this user asks for fds and never reads them; "
-                    "stop it")}, [])
+            placed = self._room.take(within=UNREAD_FD_SHARE)  # held while its reply stays unread
+            refusal = self._refusal(uid, now, placed)
+            reply, fds = self._reply(conn, data) if refusal is None else (refusal, [])
             if self._send(conn, reply, fds) and fds:  # fds in flight: counted until read, even a part
                 del self._open[fd]
                 self._unread[fd] = (conn, now, uid)  # looked at in this very pass: a quick client read it already
                 return
+            if placed:
+                self._room.give()
         self._drop(fd)
+
+    def _refusal(self, uid: int, now: float, placed: bool) -> dict | None:
+        """Why a request gets no fds now, or None: its uid's unread replies are at their cap, or the
+        daemon's fd room is full."""
+        if not placed:
+            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
+                "the daemon cannot keep another fd channel connection open for its reply: "
+                f"{self._room.describe()}")}
+        if self._unread_at_cap(uid, now):
+            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
+                f"uid {uid} has {MAX_UNREAD_PER_UID} fd channel replies it has not read (their file "
+                "descriptors are in flight): a process of this user asks for fds and never reads them; stop it")}
+        return None
 
     def _reply(self, conn: socket.socket, data: bytes) -> tuple[dict, list[int]]:
         who = peer_credentials(conn)
@@ -259,7 +281,11 @@ class FdChannelServer:
         return sent
 
     def _drop(self, fd: int) -> None:
-        conn, _, _ = self._open.pop(fd, None) or self._unread.pop(fd)
+        entry = self._open.pop(fd, None)
+        if entry is None:
+            entry = self._unread.pop(fd)
+            self._room.give()
+        conn = entry[0]
         if fd in self._quiet:
             self._quiet.discard(fd)
         else:

@@ -3,10 +3,11 @@
 libzmq aborts the whole daemon when its accept() meets EMFILE (peerd.connections), so
 the fds the connection caps count on must stay free. Every other fd the daemon keeps
 for a while, a pidfd per watched process (peerd.liveness), a memfd per control page
-area (peerd.pages) and per host memory chunk (peerd.backends.host), takes a place in this
-room first, and is refused, never opened, once the room is full: a user who makes the
-daemon watch processes, open areas or make chunks cannot spend the fds its connections
-need. ``room_within`` sizes it from the fd limit. A chunk's place is given back by the
+area (peerd.pages) and per host memory chunk (peerd.backends.host), an fd channel
+connection kept open until its client reads the fds of its reply (peerd.fdchannel),
+takes a place in this room first, and is refused, never opened, once the room is
+full: a user who makes the daemon watch processes, open areas, make chunks or leave
+replies unread cannot spend the fds its connections need. ``room_within`` sizes it from the fd limit. A chunk's place is given back by the
 thread that closes its memfd, so places are taken and given under a lock.
 """
 
@@ -54,6 +55,7 @@ class FdRoom:
             self.used -= 1
 
     def describe(self) -> str:
-        return (f"the daemon holds {self.used} pidfds, control page areas and host memory chunks, of the "
+        return (f"the daemon holds {self.used} pidfds, control page areas, host memory chunks and unread fd "
+                f"channel replies, of the "
                 f"{self.size} file descriptors its limit leaves beside its connections: raise its hard fd limit "
                 "(LimitNOFILE= in the unit) or lower --max-connections")

@@ -147,7 +147,8 @@ class Daemon:
         self._guard.start()
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
-        self._fd_channel = FdChannelServer(fd_socket_path(self.socket_path), self.socket_gid, self._member_fds)
+        self._fd_channel = FdChannelServer(fd_socket_path(self.socket_path), self.socket_gid, self._member_fds,
+                                           self._fd_room)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)

@@ -10,11 +10,18 @@ import pytest
 import zmq
 
 from peerd.fdchannel import FDS_PER_MESSAGE, FdChannelServer, fetch_fds
+from peerd.fdroom import FdRoom
 from peerd.protocol import ErrorCode, ProtocolError
 
 
 @pytest.fixture
-def channel(tmp_path):
+def room():
+    """The daemon's fd room, as the channel shares it: no limit unless a test sets its size."""
+    return FdRoom()
+
+
+@pytest.fixture
+def channel(tmp_path, room):
     """A channel whose answer is ``answers[rank]`` (or its error), served by a thread like the daemon's loop."""
     answers: dict = {}
 
@@ -26,7 +33,7 @@ def channel(tmp_path):
             raise answers[request["rank"]]
         return answers[request["rank"]]
 
-    server = FdChannelServer(str(tmp_path / "peerd.sock.fd"), None, answer)
+    server = FdChannelServer(str(tmp_path / "peerd.sock.fd"), None, answer, room)
     poller, stop = zmq.Poller(), threading.Event()
     server.attach(poller)
 
@@ -41,6 +48,7 @@ def channel(tmp_path):
     thread.join()
     server.close()
     assert not os.path.exists(server.path)
+    assert room.used == 0, "every connection gave its place in the fd room back"
 
 
 def test_a_set_wider_than_one_message_arrives_whole_and_in_rank_order(channel):
@@ -188,4 +196,45 @@ def test_a_uid_that_never_reads_its_replies_holds_at_most_its_share_of_them(chan
         with concurrent.futures.ThreadPoolExecutor(2 * MAX_UNREAD_PER_UID) as pool:  # ranks asking at once
             assert all(pool.map(lambda _: served(), range(2 * MAX_UNREAD_PER_UID)))
     finally:
+        os.close(memory)
+
+
+def test_replies_left_unread_take_places_in_the_daemons_fd_room_and_a_full_room_refuses(channel, room):
+    """Each uid may leave MAX_UNREAD_PER_UID replies unread, each holding the daemon's end of its connection
+    open: many users of the socket group together could spend the fds the daemon's connections need. An
+    unread reply takes a place in the fd room, and a request finding the room full is refused with no fd."""
+    import select
+
+    import msgpack
+
+    from peerd.fdchannel import UNREAD_FD_SHARE, connect
+
+    room.size = 8
+    share = int(room.size * UNREAD_FD_SHARE)
+    path, answers = channel
+    memory = os.memfd_create("peerd-test")
+    answers[0] = ([b"h"], [memory])
+    slot = {"group": "g", "name": "n", "rank": 0}
+    unread = []
+    try:
+        for _ in range(share):
+            sock = connect(path, 10)
+            sock.send(msgpack.packb(slot))
+            assert select.select([sock], [], [], 10)[0], "answered"
+            unread.append(sock)
+        time.sleep(0.2)
+        assert room.used == share, "each unread reply holds a place"
+        with pytest.raises(ProtocolError) as refused:
+            fetch_fds(path, slot, 10)
+        assert refused.value.code is ErrorCode.LIMIT_EXCEEDED and "fd channel" in refused.value.message
+        assert "raise its hard fd limit" in refused.value.message, "what the operator can do"
+        unread.pop().close()  # its reply purged unread: the place comes back
+        time.sleep(0.2)
+        _, fds = fetch_fds(path, slot, 10)
+        for fd in fds:
+            os.close(fd)
+    finally:
+        for sock in unread:
+            sock.close()
+        time.sleep(0.2)
         os.close(memory)
