@@ -112,15 +112,19 @@ def config(settings: Settings, as_json: bool) -> None:
 
 
 def _connect(socket_path: str) -> Any:
-    """A connection to the daemon; exits EXIT_UNREACHABLE when none answers."""
+    """A connection to the daemon; exits EXIT_UNREACHABLE when none answers, or when it refuses this
+    caller's hello (not in its allowlist, another protocol version): either way no health can be read,
+    which is what a probe must hear."""
     from peerd_client.connection import Connection
-    from peerd_client.errors import DaemonUnavailable
+    from peerd_client.errors import DaemonUnavailable, MonoUnsupported
 
     try:
         return Connection(socket_path)
     except (DaemonUnavailable, ValueError) as err:
         click.echo(f"peerd: unreachable: {escape(str(err))}", err=True)
-        sys.exit(EXIT_UNREACHABLE)
+    except MonoUnsupported as err:
+        click.echo(f"peerd: refused ({err.code}): {escape(str(err))}", err=True)
+    sys.exit(EXIT_UNREACHABLE)
 
 
 def _call(conn: Any, op: str, body: dict | None = None) -> dict:

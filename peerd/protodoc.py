@@ -35,12 +35,15 @@ Besides the errors listed under each op, any op may answer {", ".join(f"`{c.valu
 ## The fd channel
 
 Where the backend passes fds (host shared memory), a member of a live buffer set connects to
-the SOCK_SEQPACKET socket `<socket path>.fd` and sends one request, `{{group, name, rank}}`. The
-daemon checks the caller's kernel credentials (SO_PEERCRED) and that it holds that rank, then
-answers `{{ok: true, handles}}` with the set's fds in rank order (SCM_RIGHTS, several messages when
-there are many), or `{{ok: false, code, message}}`, and closes (peerd/fdchannel.py). Ranks sharing
-one chunk share its fd, sent once: `fd_index` then gives each handle's fd by its place among the
-fds sent. A refusal by the kernel to pass more fds (ETOOMANYREFS) is answered `LIMIT_EXCEEDED`.
+the SOCK_SEQPACKET socket `<socket path>.fd` and sends one request, `{{group, name, rank, set}}`
+(`set` as the join reply named it, as for a release). The daemon checks the caller's kernel
+credentials (SO_PEERCRED) and that it holds that rank of that set, then answers `{{ok: true,
+handles}}` with the set's fds in rank order (SCM_RIGHTS, several messages when there are many), or
+`{{ok: false, code, message}}`, and closes once the client has read the reply or closed its end
+(peerd/fdchannel.py). Ranks sharing one chunk share its fd, sent once: `fd_index` then gives each
+handle's fd by its place among the fds sent. `LIMIT_EXCEEDED` answers a uid holding 64 replies it
+has not read, a daemon whose fd room is full, and a refusal by the kernel to pass more fds
+(ETOOMANYREFS).
 `{{group, name, rank, page: true}}` asks instead, on every backend, for the fd of the area holding
 the set's control page (the join reply's `page`: [area id, offset, generation]) and the read end of
 the daemon's alive pipe (peerd/pages.py, peerd/controlpage.py); a process asks once per area, which

@@ -85,6 +85,23 @@ def test_the_allowlist_refuses_another_user_once_per_connection(socket_dir, prob
         assert d.stop() == 0
 
 
+def test_a_caller_the_allowlist_refuses_gets_status_and_ls_exit_3_with_the_reason(socket_dir, probe_user):
+    """A probe run as a refused user must not read as degraded (1), nor get a traceback: it cannot read
+    the daemon's health, which is what 3 means to it."""
+    uid, gid, sock_gid = probe_user
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--allow-gid", "root")
+    try:
+        for command in ("status", "ls"):
+            result = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "as_user.py"),
+                                     f"{uid}:{gid}:{sock_gid}", command], env=d.env(), capture_output=True,
+                                    text=True, timeout=30)
+            assert result.returncode == 3, (command, result.returncode, result.stderr)
+            assert "refused (FORBIDDEN)" in result.stderr and f"uid {uid}" in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr, result.stderr
+    finally:
+        assert d.stop() == 0
+
+
 @pytest.mark.parametrize("allow", [(), ("--allow-uid", "PROBE")])
 def test_the_socket_group_or_an_allowed_uid_is_admitted(socket_dir, probe_user, allow):
     allow = tuple(str(probe_user[0]) if a == "PROBE" else a for a in allow)
