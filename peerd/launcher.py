@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .ownpython import CHILD_CWD, python_child
 from .paths import check_socket_path
 from .settings import OPTIONS, Loader, OctalMode, Option, Settings
 
@@ -95,14 +96,20 @@ def launch(settings: Settings, loader: Loader, command: Sequence[str]) -> int:
 def private_daemon(argv_for: Callable[[str], list[str]], stop_timeout: float) -> Iterator["JobDaemon"]:
     """A daemon serving a socket in a fresh private directory while the block runs.
 
-    ``argv_for(socket)`` gives its `peerd serve` options. It is stopped (every
-    buffer freed) and the directory removed when the block ends, however it
-    ends; LaunchFailed if it never answers.
+    ``argv_for(socket)`` gives its `peerd serve` options. It reads no
+    configuration file unless they or PEERD_CONFIG name one: the node's
+    /etc/peerd/peerd.toml is the node service's (its metrics port, its
+    socket group) and would make every job's daemon fail to start. It is
+    stopped (every buffer freed) and the directory removed when the block
+    ends, however it ends; LaunchFailed if it never answers.
     """
     directory = _private_dir()
     try:
         socket = os.path.join(directory, SOCKET_NAME)
-        daemon = JobDaemon(argv_for(socket), socket, stop_timeout)
+        argv = argv_for(socket)
+        if "--config" not in argv and not os.environ.get("PEERD_CONFIG"):
+            argv = ["--config", _empty_config(directory), *argv]
+        daemon = JobDaemon(argv, socket, stop_timeout)
         try:
             daemon.wait_until_serving()
             yield daemon
@@ -116,13 +123,14 @@ def serve_argv(loader: Loader, socket: str) -> list[str]:
     """`peerd serve` options for the job's daemon: the ones peerd run was given, on our socket.
 
     Only what the command line said is passed on: the daemon reads the same
-    environment and configuration file, so it resolves the same settings.
+    environment, and the configuration file --config names (no other: see
+    private_daemon), so it resolves the same settings.
     The directory stays 0700 unless --socket-dir-mode says otherwise.
     """
     given = {**loader.given, "socket": socket}
     if given["socket_dir_mode"] is None:
         given["socket_dir_mode"] = 0o700
-    argv = ["--config", loader.config] if loader.config else []
+    argv = ["--config", os.path.abspath(loader.config)] if loader.config else []  # the daemon starts in /
     for option in OPTIONS:
         value = given[option.name]
         if value is None:  # not given
@@ -143,8 +151,11 @@ class JobDaemon:
         self.socket = socket
         self.stop_timeout = stop_timeout
         self.failed = False  # it did not serve the whole job, or did not stop cleanly
+        command, env = python_child("peerd", "serve", *argv)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peerd", "serve", *argv],
+            command,
+            env=env,
+            cwd=CHILD_CWD,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_unblock_and_die_with_parent,
@@ -215,6 +226,13 @@ def _run_job(command: Sequence[str], daemon: JobDaemon) -> int:
         daemon.check()
     daemon.check()
     return 128 - job.returncode if job.returncode < 0 else job.returncode
+
+
+def _empty_config(directory: str) -> str:
+    """An empty configuration file in the job's private directory: the job's daemon reads it, not the node's."""
+    path = os.path.join(directory, "peerd.toml")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
 
 
 def _private_dir() -> str:

@@ -2,8 +2,10 @@
 
 The workers (peerd_client.selftest) need torch; this side only starts them
 and renders what they report, so the daemon package stays torch-free. With
-no daemon answering, the test brings up a private one for its own run (as
-`peerd run` does) and says so, so it works right after installing.
+no daemon socket at the path, the test brings up a private one for its own run
+(as `peerd run` does) and says so, so it works right after installing; a
+socket whose daemon cannot be used (down, refusing this user) is a failure
+with the reason, never a pass on another daemon.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 import uuid
 
 import click
+
+from .ownpython import CHILD_CWD, python_child
 
 CHECKS = ("zero-filled", "barrier", "read every peer", "agreement")
 TIMES = ("setup_ms", "write_ms", "read_ms", "agree_ms", "close_ms")
@@ -38,8 +42,6 @@ def _collect(proc: subprocess.Popen, rank: int, deadline: float) -> dict:
 
 def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, timeout: float) -> int:
     """Run the workers on the daemon at socket_path, or on a private one if none answers; the exit code."""
-    from peerd_client.connection import daemon_answers
-
     from .launcher import LaunchFailed, private_daemon
 
     if importlib.util.find_spec("torch") is None:
@@ -49,9 +51,13 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
             err=True,
         )
         return 1
-    if daemon_answers(socket_path):
+    if os.path.lexists(socket_path):  # a daemon's socket: test that daemon, or say why it cannot be tested
+        refusal = _refusal(socket_path)
+        if refusal:
+            click.echo(f"peerd selftest: FAIL: {refusal}", err=True)
+            return 1
         return _run_workers(socket_path, ranks, nbytes, device, timeout)
-    click.echo(f"peerd selftest: no daemon answers at {socket_path}; testing on a private daemon started for this run")
+    click.echo(f"peerd selftest: no daemon socket at {socket_path}; testing on a private daemon started for this run")
     argv = lambda socket: ["--socket", socket, "--socket-dir-mode", "700", "--log-level", "warning"]  # noqa: E731
     try:
         with private_daemon(argv, stop_timeout=30) as daemon:
@@ -61,14 +67,28 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
         return 1
 
 
+def _refusal(socket_path: str) -> str | None:
+    """Why the daemon at socket_path cannot be tested by this user, or None: a node check must not pass on a
+    private daemon while the node's own is down, or refuses this user."""
+    from peerd_client.connection import Connection
+    from peerd_client.errors import MonoUnsupported
+
+    try:
+        Connection(socket_path, connect_timeout=2.0).close()
+    except MonoUnsupported as err:  # DaemonUnavailable too: no answer, an untrusted daemon, the allowlist
+        return f"the daemon at {socket_path} cannot be used ({err.code}): {err}"
+    return None
+
+
 def _run_workers(socket_path: str, ranks: int, nbytes: int, device: str | None, timeout: float) -> int:
     group = f"selftest-{uuid.uuid4().hex[:12]}"
-    env = {**os.environ, "PEERD_SOCKET": socket_path}
-    command = [sys.executable, "-m", "peerd_client.selftest", "--group", group, "--npes", str(ranks),
-               "--nbytes", str(nbytes)] + (["--device", device] if device else [])
+    command, env = python_child("peerd_client.selftest", "--group", group, "--npes", str(ranks), "--nbytes",
+                                str(nbytes), *(["--device", device] if device else []),
+                                env={**os.environ, "PEERD_SOCKET": socket_path})
     started = time.monotonic()
     procs = [
-        subprocess.Popen(command + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(command + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=CHILD_CWD)
         for r in range(ranks)
     ]
     deadline = started + timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -193,3 +194,53 @@ def test_the_daemon_gets_the_serve_options_given_to_peerd_run(tmp_path):
     assert passed_on.given == {**given.given, "socket": "/tmp/x.sock", "socket_dir_mode": 0o700}
     chosen = parse.main(["--socket-dir-mode", "0750"], standalone_mode=False)
     assert parse.main(serve_argv(chosen, "/tmp/x.sock"), standalone_mode=False).given["socket_dir_mode"] == 0o750
+
+
+PLANTED = {"peerd": "__main__.py", "peerd_client": "selftest.py"}
+
+
+@pytest.mark.parametrize("command", [["selftest", "--ranks", "2"], ["run", "--backend", "host", "--", "true"]],
+                         ids=["selftest", "run"])
+def test_code_planted_in_the_current_directory_never_runs(socket_dir, tmp_path, command):
+    """Both commands started their own Python children (the private daemon, the selftest's workers) with
+    `python -m`, which looks in the current directory first: run from a directory another user can write
+    (/tmp), a planted peerd/__main__.py or peerd_client/selftest.py ran as the caller, root included."""
+    planted = tmp_path / "shared"
+    for package, module in PLANTED.items():
+        (planted / package).mkdir(parents=True)
+        (planted / package / "__init__.py").write_text("")
+        (planted / package / module).write_text(f"open({str(planted / 'ran')!r}, 'a').write({package!r})\n")
+    peerd = os.path.join(os.path.dirname(sys.executable), "peerd")  # the console script, as a user types it
+    assert os.access(peerd, os.X_OK), f"{peerd}: install peerd (pip install -e .) to run this test"
+    done = subprocess.run([peerd, *command], cwd=planted, capture_output=True, text=True, timeout=PATIENCE_S,
+                          env={**os.environ, "PEERD_SOCKET": os.path.join(socket_dir, "none.sock")})
+    assert not (planted / "ran").exists(), f"planted code ran: {(planted / 'ran').read_text()}"
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_jobs_daemon_reads_no_configuration_file_but_the_one_named():
+    """The node's /etc/peerd/peerd.toml is the node service's: its metrics port (held by the service) and its
+    socket group made every job's daemon fail to start. A file --config names is still read."""
+    from peerd.settings import DEFAULT_CONFIG
+
+    if os.path.exists(DEFAULT_CONFIG) or os.geteuid() != 0:
+        pytest.skip(f"needs root and no {DEFAULT_CONFIG} of the machine's own (CI runs as root on a clean machine)")
+    import socket
+
+    with socket.socket() as held:  # the node service's metrics port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        os.makedirs(os.path.dirname(DEFAULT_CONFIG), exist_ok=True)
+        try:
+            with open(DEFAULT_CONFIG, "w") as node:
+                node.write(f"metrics_port = {held.getsockname()[1]}\n")
+            ran = subprocess.run([sys.executable, "-m", "peerd", "run", "--backend", "host", "--", "true"],
+                                 capture_output=True, text=True, timeout=PATIENCE_S)
+            assert ran.returncode == 0, ran.stderr
+            named = subprocess.run([sys.executable, "-m", "peerd", "run", "--config", DEFAULT_CONFIG, "--backend",
+                                    "host", "--", "true"], capture_output=True, text=True, timeout=PATIENCE_S)
+            assert named.returncode == 125 and "daemon exited" in named.stderr, named.stderr
+        finally:
+            os.unlink(DEFAULT_CONFIG)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(DEFAULT_CONFIG))

@@ -22,7 +22,7 @@ def test_selftest_passes_against_the_running_daemon(daemon):
 def test_with_no_daemon_it_runs_on_a_private_one_and_says_so(socket_dir):
     result = selftest({"PEERD_SOCKET": os.path.join(socket_dir, "none.sock")}, "--ranks", "2")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "no daemon answers at" in result.stdout and "testing on a private daemon" in result.stdout
+    assert "no daemon socket at" in result.stdout and "testing on a private daemon" in result.stdout
     assert "PASS: 2 rank(s)" in result.stdout
 
 
@@ -42,3 +42,15 @@ def test_the_same_failure_on_every_rank_is_said_once(daemon):
     assert result.returncode == 1
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("FAIL: every rank:"), result.stdout
+
+
+def test_a_socket_whose_daemon_is_down_fails_with_the_reason_not_a_private_pass(socket_dir):
+    """A node check: with the node's daemon down (its socket left behind), it passed on a private daemon."""
+    import socket
+
+    path = os.path.join(socket_dir, "peerd.sock")
+    with socket.socket(socket.AF_UNIX) as stale:  # bound, never listening: a crashed daemon's socket
+        stale.bind(path)
+        result = selftest({"PEERD_SOCKET": path}, "--ranks", "2")
+    assert result.returncode == 1 and "private daemon" not in result.stdout + result.stderr
+    assert f"FAIL: the daemon at {path} cannot be used" in result.stderr, result.stderr
