@@ -6,10 +6,14 @@ through atomic copies (list() of a dict's values holds the GIL throughout),
 so scraping never blocks or races the loop.
 
 The HTTP server is peerd.metricsport's: bounded, because every local user can reach it.
+Every local user can also take the port first, so a port in use never stops the daemon:
+it serves without metrics, says so, and tries the port again every BIND_RETRY_S.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -18,6 +22,10 @@ from .outbox import Send
 from .registry import Registry
 
 OUTCOME_OK = "ok"
+#: seconds between tries of a metrics port another process holds
+BIND_RETRY_S = 5.0
+
+log = logging.getLogger("peerd.metrics")
 
 
 class Metrics:
@@ -39,7 +47,36 @@ class Metrics:
         self.agreements = Counter("peerd_agreements", "tp_agree rounds answered by the daemon (the message path; "
                                   "rounds on a control page never reach it), by outcome", ["outcome"])
         REGISTRY.register(_Gauges(registry, arena_usage))
-        self.server = MetricsServer(port, type("_Handler", (MetricsHandler,), {"registry": REGISTRY}))
+        self.port = port
+        self._handler = type("_Handler", (MetricsHandler,), {"registry": REGISTRY})
+        self.server: MetricsServer | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        if not self._listen(first=True):
+            threading.Thread(target=self._listen_later, name="peerd-metrics-bind", daemon=True).start()
+
+    def _listen(self, first: bool = False) -> bool:
+        """Serve on the port, if no other process holds it; whether it does now."""
+        try:
+            server = MetricsServer(self.port, self._handler)
+        except OSError as err:
+            if first:
+                log.error("metrics: cannot listen on 127.0.0.1:%d (%s): serving on without metrics and trying the "
+                          "port again every %gs; `ss -ltnp 'sport = :%d'` shows who holds it (any local user may "
+                          "take a port first: pick another metrics_port, or keep it free for the daemon)",
+                          self.port, err.strerror or err, BIND_RETRY_S, self.port)
+            return False
+        with self._lock:
+            if self._closed.is_set():
+                server.stop()
+                return True
+            self.server = server
+        log.log(logging.INFO if first else logging.WARNING, "metrics on http://127.0.0.1:%d/metrics", self.port)
+        return True
+
+    def _listen_later(self) -> None:
+        while not self._closed.wait(BIND_RETRY_S) and not self._listen():
+            pass
 
     def answered(self, send: Send) -> None:
         """Count and time one reply; its route (peerd.server.Route) says which op and since when."""
@@ -60,7 +97,11 @@ class Metrics:
             self.agreements.labels(outcome).inc()
 
     def close(self) -> None:
-        self.server.stop()
+        with self._lock:
+            self._closed.set()
+            server, self.server = self.server, None
+        if server is not None:
+            server.stop()
 
 
 class _Gauges:

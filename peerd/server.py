@@ -154,7 +154,6 @@ class Daemon:
         self._wake_w.setblocking(False)
         if self.settings.metrics_port:
             self.metrics = Metrics(self.settings.metrics_port, self.registry, self.backend.usage)
-            log.info("metrics on http://127.0.0.1:%d/metrics", self.settings.metrics_port)
         log.info(
             "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
             __version__, self.socket_path, self.backend.name, os.getpid(), self.allowlist.describe(),

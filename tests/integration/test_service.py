@@ -128,6 +128,30 @@ def test_prometheus_metrics(socket_dir):
         assert d.stop() == 0
 
 
+def test_a_metrics_port_another_process_holds_never_stops_the_daemon(socket_dir):
+    """Any local user may take the port first (between two restarts of the service, say): the daemon
+    refused to start. It serves without metrics, says so naming the port, and takes the port once free."""
+    from peerd.metrics import BIND_RETRY_S
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    d = daemon_in(socket_dir, "--metrics-port", str(port))
+    try:
+        assert d.cli("status").returncode == 0
+        assert f"cannot listen on 127.0.0.1:{port}" in d.logs() and "serving on without metrics" in d.logs()
+        assert all(r["ok"] for r in run_ranks(d, "exchange", 2, "--group", "unscraped"))
+        squatter.close()
+        wait_until(lambda: f"metrics on http://127.0.0.1:{port}/metrics" in d.logs(), 3 * BIND_RETRY_S,
+                   "the daemon to take the port once it was free")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'peerd_joins_total{outcome="ok"} 2.0' in text
+    finally:
+        squatter.close()
+        assert d.stop() == 0
+
+
 def test_sigterm_drains_live_groups_and_refuses_new_joins(socket_dir):
     d = daemon_in(socket_dir, "--shutdown-grace", "60")
     holders = [start_rank(d, "join", r, 2, "--group", "live", "--hold", "6") for r in (0, 1)]
