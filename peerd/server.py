@@ -118,6 +118,8 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
+        self._malformed = Tally(log, "refused %d malformed message(s)")  # a flood of them is a few lines
+        self._tallies = (self._dropped, self._malformed)
         self._stuck = StuckSets()  # the stuck sets status reports, found by one walk a second at most
         self._handlers = {name: self._handler(op) for name, op in OPS.items()}
 
@@ -297,6 +299,8 @@ class Daemon:
             out += self.registry.memory_ready(now, self.backend.woken())
         out += self.registry.expire(time.monotonic())
         self._deliver(out)
+        for tally in self._tallies:
+            tally.flush()
         self._fd_channel.serve(events, now)
         if now >= self._next_tick:
             self._tick(now)
@@ -309,12 +313,12 @@ class Daemon:
         self._next_tick = now + min(TICK_S, interval or TICK_S)
         if interval is not None:
             self._notifier.watchdog()
-        self._dropped.flush()
         if self._notifier.active:
             self._notifier.status(("draining: " if self._drain_until else "") + self._summary())
 
     def _poll_timeout_ms(self) -> int | None:
-        deadlines = [d for d in (self.registry.next_deadline(), self._fd_channel.next_deadline()) if d is not None]
+        deadlines = [d for d in (self.registry.next_deadline(), self._fd_channel.next_deadline(),
+                                 *(t.due() for t in self._tallies)) if d is not None]
         waits = [max(0.0, min(deadlines) - time.monotonic())] if deadlines else []
         if self._watcher.polling:
             waits.append(POLL_INTERVAL)
@@ -339,12 +343,12 @@ class Daemon:
 
     def _handle(self, frames: list[zmq.Frame]) -> Outbox:
         if len(frames) != 2:
-            log.warning("dropped a message of %d frames (expected identity + one payload)", len(frames))
+            self._malformed.add(f"{len(frames)} frames, not identity + one payload (dropped)")
             return []
         identity, payload = frames[0].bytes, frames[1]
         who = credentials(payload)
         if who is None:
-            log.warning("dropped a message without kernel credentials (not an ipc peer?)")
+            self._malformed.add("no kernel credentials, not an ipc peer? (dropped)")
             return []
         # supplementary groups as the kernel recorded them on this connection, read only when needed
         allowed = self.allowlist.admits(who.uid, who.gid, lambda: connection_groups(payload, who))
@@ -353,7 +357,8 @@ class Daemon:
         try:
             request = decode_request(payload.bytes)
         except ProtocolError as err:
-            log.warning("pid %d sent a bad request: %s", who.pid, err)
+            log.debug("pid %d sent a bad request: %s", who.pid, err)
+            self._malformed.add(f"uid {who.uid}: {err.code.value}")
             return [Send(Route(identity, err.request_id), error=err)]
         caller = Route(identity, request.id, request.op, time.monotonic())
         refusal = admit(OPS[request.op], who, allowed, self._drain_until is not None, self._admins)

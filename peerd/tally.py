@@ -28,6 +28,10 @@ class Tally:
         self._pending[cause] += 1
         self.flush()
 
+    def due(self) -> float | None:
+        """When the next summary is due (a monotonic time), if anything waits to be logged: the loop wakes then."""
+        return self._next_log if self._pending else None
+
     def flush(self) -> None:
         """Log what was counted since the last summary, if one is due."""
         now = time.monotonic()
