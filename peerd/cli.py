@@ -2,9 +2,9 @@
 
 Exit codes of `status`, for probes: 0 the daemon answered and is healthy; 1
 it answered but is degraded (a device unusable, a group stuck past its
-timeouts, a limit nearly reached: the problems are listed); 3 no daemon
-answered (the one-line reason goes to stderr). `ls` exits 0 or 3. 2 stays
-click's usage error.
+timeouts, a limit nearly reached, draining: the problems are listed); 3 no
+daemon answered, or it refused this caller (the one-line reason goes to
+stderr). `ls` exits 0 or 3. 2 stays click's usage error.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
     found = problems(registry, devices, stuck, viewer)
     if connections["open"] >= NEARLY * connections["max"]:
         found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
+    if loop["draining"]:  # joins are refused: a readiness probe must send no new job here
+        found.append("draining after SIGTERM: new joins are refused until the daemon is restarted")
     if len(found) > MAX_PROBLEMS_SHOWN:
         found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
     return {

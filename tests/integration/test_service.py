@@ -163,6 +163,8 @@ def test_sigterm_drains_live_groups_and_refuses_new_joins(socket_dir):
         conn.call("join", {"group": "late", "name": "n", "rank": 0, "npes": 2, "nbytes": 4096, "device": "host"})
     conn.close()
     assert late.value.code == "SHUTTING_DOWN" and "takes no new joins" in str(late.value)
+    probe = d.cli("status")  # a readiness probe must send no new job to a daemon that refuses joins
+    assert probe.returncode == 1 and "draining after SIGTERM" in probe.stdout, probe.stdout + probe.stderr
     assert d.proc.poll() is None, "the daemon waits for the live group"
     assert [finish(p)["ok"] for p in holders] == [True, True], "the live group finished undisturbed"
     assert d.proc.wait(timeout=20) == 0
