@@ -116,10 +116,12 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
         return
     found = stat.S_IMODE(info.st_mode)
     if found & (stat.S_IWOTH | stat.S_IWGRP):
+        shared = found & stat.S_ISVTX  # /tmp and its like: shared on purpose, never to be chmodded
+        fix = "" if shared else f"chmod go-w {directory}, or "
         raise UnsafeSocketDirectory(
             f"socket directory {directory} (mode {found:04o}) is writable by other users, who could replace "
-            f"the socket, and peerd changes no directory it did not create: chmod go-w {directory}, or give "
-            "a --socket in a directory that does not exist yet"
+            f"the socket, and peerd changes no directory it did not create: {fix}give a --socket in a "
+            f"directory that does not exist yet (e.g. {os.path.join(directory, 'peerd', 'peerd.sock')})"
         )
     if gid is not None and not (info.st_gid == gid and found & stat.S_IXGRP) and not found & stat.S_IXOTH:
         log.warning(

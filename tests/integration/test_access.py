@@ -72,6 +72,17 @@ def test_refuses_a_socket_directory_others_could_write_to(socket_dir, setup, wor
     assert not os.path.exists(os.path.join(target, "peerd.sock"))
 
 
+def test_a_shared_sticky_directory_is_refused_without_advice_to_chmod_it(socket_dir):
+    """peerd serve --socket /tmp/x.sock advised `chmod go-w /tmp`, which would break the machine."""
+    shared = os.path.join(socket_dir, "tmp")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    result = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket",
+                             os.path.join(shared, "peerd.sock")], capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "is writable by other users" in result.stderr, result.stderr
+    assert "chmod" not in result.stderr and f"(e.g. {shared}/peerd/peerd.sock)" in result.stderr, result.stderr
+
+
 def test_the_allowlist_refuses_another_user_once_per_connection(socket_dir, probe_user):
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--allow-gid", "root")
     try:
