@@ -4,6 +4,12 @@ libzmq lets a second bind silently steal an ipc endpoint from a live daemon,
 so the daemon first takes an exclusive flock on a file beside the socket. The
 kernel drops the lock when its holder dies, which is what lets a daemon
 restarted after a crash take over the stale socket without any cleanup step.
+
+A stopping daemon removes the file before it lets go of the lock, so a
+daemon that opened the file just before may lock a file no path names any
+more, while a third creates and locks a new one: two daemons would serve.
+A lock counts only on the file the path still names; else the open is tried
+again.
 """
 
 from __future__ import annotations
@@ -22,13 +28,30 @@ class UnsafeLockFile(RuntimeError):
     """Something other than a lock file is at the lock file's path."""
 
 
+#: opens of a lock file that keeps being removed under the opener, before giving up
+ATTEMPTS = 16
+
+
 class SocketLock:
     def __init__(self, path: str):
         self.path = path
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        try:  # never through a planted symlink: the truncation below would hit its target
+        for _ in range(ATTEMPTS):
+            fd = self._lock_once()
+            if fd is None:
+                continue  # locked a file a stopping daemon had just removed: the path names another now
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            return
+        raise AlreadyRunning(f"the lock file {self.path} kept being replaced while this daemon took it: another "
+                             "daemon is starting and stopping on this socket; stop it first")
+
+    def _lock_once(self) -> int | None:
+        """The fd of the file at the path, locked; None where the path named another file once it was."""
+        try:  # never through a planted symlink: the truncation would hit its target
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             if err.errno != errno.ELOOP:
@@ -49,9 +72,15 @@ class SocketLock:
                 f"another peerd (pid {holder}) already serves this socket (lock {self.path}); "
                 "stop it first, or give this one another --socket"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
+        held = os.fstat(fd)
+        try:
+            named = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            named = None
+        if named is None or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+            os.close(fd)
+            return None
+        return fd
 
     def release(self) -> None:
         if self._fd is None:

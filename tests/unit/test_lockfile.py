@@ -1,0 +1,47 @@
+"""One daemon per socket path: the lock beside the socket, against a stopping daemon's removal of it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+
+from peerd import lockfile
+from peerd.lockfile import AlreadyRunning, SocketLock
+
+
+def test_a_second_daemon_is_refused_naming_the_first(tmp_path):
+    path = str(tmp_path / "peerd.sock.lock")
+    first = SocketLock(path)
+    first.acquire()
+    with pytest.raises(AlreadyRunning, match=f"pid {os.getpid()}"):
+        SocketLock(path).acquire()
+    first.release()
+    again = SocketLock(path)
+    again.acquire()
+    again.release()
+    assert not os.path.exists(path)
+
+
+def test_a_lock_taken_on_a_file_a_stopping_daemon_removed_is_taken_again_on_the_one_the_path_names(
+        tmp_path, monkeypatch):
+    """The stopping daemon removes the file, then lets go: one starting just then locked the removed file
+    while a third created and locked a new one, and both served."""
+    path = str(tmp_path / "peerd.sock.lock")
+    real_flock, removed = fcntl.flock, []
+
+    def flock_after_removal(fd, operation):
+        if not removed:  # the first daemon's release lands between our open and our lock
+            os.unlink(path)
+            removed.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(lockfile.fcntl, "flock", flock_after_removal)
+    starting = SocketLock(path)
+    starting.acquire()
+    monkeypatch.setattr(lockfile.fcntl, "flock", real_flock)
+    assert os.fstat(starting._fd).st_ino == os.stat(path).st_ino, "it holds the file the path names"
+    with pytest.raises(AlreadyRunning):
+        SocketLock(path).acquire()  # the third daemon
+    starting.release()
