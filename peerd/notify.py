@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 log = logging.getLogger("peerd.notify")
 
@@ -57,7 +58,8 @@ class Notifier:
         self._send(f"STOPPING=1\nSTATUS={status}")
 
     def reloading(self) -> None:
-        self._send("RELOADING=1")
+        # the clock reading tells systemd which reload this is (required from systemd 253 on)
+        self._send(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
 
     def reloaded(self, status: str) -> None:
         self._last_status = status

@@ -40,6 +40,13 @@ def test_notify_protocol_ready_status_watchdog_stopping(socket_dir):
         while time.monotonic() < deadline and pings < 3:
             pings += systemd.recv(4096).decode().count("WATCHDOG=1")
         assert pings >= 3, "WATCHDOG=1 every half WATCHDOG_USEC"
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        d.proc.send_signal(signal.SIGHUP)
+        seen = ""
+        while "READY=1" not in seen.split("RELOADING=1", 1)[-1]:
+            seen += systemd.recv(4096).decode() + "\n"  # one datagram a message
+        stamp = int(seen.split("MONOTONIC_USEC=", 1)[1].split()[0])  # which reload this is, as systemd asks
+        assert "RELOADING=1\nMONOTONIC_USEC=" in seen and before <= stamp
         d.proc.send_signal(signal.SIGTERM)
         seen = ""
         while "STOPPING=1" not in seen:
