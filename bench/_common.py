@@ -181,13 +181,24 @@ def parse_ints(text: str) -> list[int]:
 #: spin the last this many seconds before a common start (sleep alone wakes ~60 us late;
 #: spinning longer steals the core a daemon or a peer needs where cores are few)
 SPIN_S = float(os.environ.get("PEERD_BENCH_SPIN_S", "0.0001"))
+#: the spin of a worker pinned to cores of its own (--pin): it steals nobody's core, and a worker that
+#: sleeps to the instant wakes up to a few hundred us late now and then, which a 20 us round would report
+PINNED_SPIN_S = 0.001
+
+
+def spin_s(pinned: bool) -> float:
+    """The spin before each common start that a run uses (recorded with its results)."""
+    return max(SPIN_S, PINNED_SPIN_S) if pinned else SPIN_S
+
+
+_spin = SPIN_S  # this process's: spin_s(pinned), set by a pinned worker
 
 
 def sleep_until(instant: float) -> float:
     """Sleep until monotonic ``instant``; how late we woke (seconds, >= 0 when on time)."""
     left = instant - time.monotonic()
-    if left > SPIN_S:
-        time.sleep(left - SPIN_S)
+    if left > _spin:
+        time.sleep(left - _spin)
     while time.monotonic() < instant:
         pass
     return time.monotonic() - instant

@@ -124,6 +124,7 @@ def pin(rank: int, npes: int) -> None:
     mine = cores[rank * per:(rank + 1) * per]
     for thread in os.listdir("/proc/self/task"):  # the affinity is per thread: the running ones too
         os.sched_setaffinity(int(thread), mine)
+    C._spin = C.spin_s(pinned=True)  # its cores are its own: spinning to the instant costs nobody
 
 
 def measure(npes: int, args, target=worker, paths=PATHS, extra: tuple = ()) -> dict:
@@ -179,7 +180,8 @@ def agreement_parser(description: str, rounds: int, warmup: int) -> argparse.Arg
     parser.add_argument("--sync-rounds", type=int, default=400, help="synchronized rounds per path and N")
     parser.add_argument("--lead", type=float, default=0.004, help="seconds from the barrier to each common start")
     parser.add_argument("--pin", action="store_true", help="pin each worker to cores of its own "
-                        "(an equal share of this process's cores), for both paths")
+                        "(an equal share of this process's cores), for both paths, each spinning the last "
+                        f"{C.PINNED_SPIN_S * 1e3:g} ms before every common start")
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=None)
@@ -207,7 +209,7 @@ def main() -> None:
     args = agreement_parser(__doc__.split("\n\n")[0], rounds=2000, warmup=50).parse_args()
 
     info = {"bench": "agree_latency", "machine": C.machine(), "backend": args.backend,
-            "command": C.command_line(), "rounds": args.rounds, "by_n": {}}
+            "command": C.command_line(), "rounds": args.rounds, "start_spin_s": C.spin_s(args.pin), "by_n": {}}
     C.measure_each_n(f"agree_latency-{args.backend}", info, args, measure)
 
     rows, rows2 = sync_rows(info, "peerd"), []

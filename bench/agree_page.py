@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
 
     info = {"bench": "agree_page", "machine": C.machine(), "backend": args.backend, "command": C.command_line(),
-            "rounds": args.rounds, "spin_us": args.spin_us, "by_n": {}}
+            "rounds": args.rounds, "spin_us": args.spin_us, "start_spin_s": C.spin_s(args.pin), "by_n": {}}
     with C.Daemon(args.backend, log_level="warning"):
         for npes in C.parse_ints(args.ranks):
             info["by_n"][str(npes)] = AL.measure(npes, args, page_worker, PATHS)

@@ -23,7 +23,7 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s)"; local t0=$SECON
 step 40  $PY bench/gpu_footprint.py --out "$OUTDIR"
 step 90  $PY bench/setup_latency.py --backend cuda --iters ${SETUP_ITERS:-15} --out "$OUTDIR"
 step 70  $PY bench/agree_latency.py --backend cuda --rounds 2000 --sync-rounds 300 --out "$OUTDIR"
-step 120 $PY bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000 --sync-rounds 400 --out "$OUTDIR"
+step 180 $PY bench/agree_page.py --backend cuda --ranks 2,8 --rounds 100000 --message-rounds 3000 --sync-rounds 1000 --pin --out "$OUTDIR"
 step 150 $PY bench/abort_latency.py --backend cuda --ranks 2,4,8 --repeats 5 --out "$OUTDIR"
 step 120 $PY bench/allreduce.py --ranks 2,8 --json "$OUTDIR/allreduce.json"
 step 25  $PY bench/status_latency.py --backend cuda --cli-iters 5 --out "$OUTDIR"
