@@ -28,6 +28,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
+import math
 import os
 import socket
 import struct
@@ -38,7 +40,7 @@ from typing import Any, Callable
 import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
-from peerd.protocol import MAX_FRAME_BYTES, VERSION, ProtocolError, Reply, decode_reply, encode_request
+from peerd.protocol import MAX_FRAME_BYTES, MAX_TIMEOUT_S, VERSION, ProtocolError, Reply, decode_reply, encode_request
 from peerd.ops import check_reply, validate_request
 from peerd.trust import (
     DAEMON_USER_ADVICE,
@@ -53,8 +55,30 @@ from peerd.trust import (
 
 from .errors import DaemonUnavailable, MonoUnsupported
 
-CONNECT_TIMEOUT_S = float(os.environ.get("PEERD_CONNECT_TIMEOUT", "5"))
-REQUEST_TIMEOUT_S = float(os.environ.get("PEERD_REQUEST_TIMEOUT", "10"))
+
+def _seconds_from_env(name: str, default: float) -> float:
+    """``name``'s seconds, or ``default`` with one warning when it is not a number in (0, MAX_TIMEOUT_S].
+
+    Warned, not raised: this runs at import, in every worker, and the value
+    is imported by name elsewhere; a typo must not stop the job, and -1 or
+    inf must not mean waiting forever on a dead daemon.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S:
+        return seconds
+    logging.getLogger("peerd_client").warning(
+        "%s=%r is not a number of seconds in (0, %g]; using the default %gs", name, raw, MAX_TIMEOUT_S, default)
+    return default
+
+
+CONNECT_TIMEOUT_S = _seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
+REQUEST_TIMEOUT_S = _seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: how much longer than the daemon's own deadline a client waits for its verdict

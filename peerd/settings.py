@@ -8,14 +8,19 @@ the environment, which wins over the file, which wins over the default;
 ``peerd config`` shows the value of each and where it came from. A bad value
 or an unknown key is an error at start-up naming the key and its source.
 Sizes take binary or decimal suffixes ("64MiB", "16G"); "none" (or 0) means
-no limit.
+no limit. Seconds are finite and at most MAX_TIMEOUT_S, the longest wait the
+protocol carries. The file is read only if it is a regular file of at most
+MAX_CONFIG_BYTES: SIGHUP reads it on the daemon's loop, which a FIFO or a
+device in its place would block.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
@@ -39,42 +44,103 @@ from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
 from .paths import default_socket
-from .protocol import DEFAULT_DEADLINE_S
+from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 class ByteSize(click.ParamType):
-    """A byte count: 4096, 64MiB, 16G; "none" or 0 for no limit."""
+    """A byte count: 4096, 64MiB, 16G; "none" or 0 for no limit, where the size is a limit."""
 
     name = "size"
 
+    def __init__(self, limit: bool = True):
+        self.limit = limit  # False: a size the daemon carves by (a chunk), where 0 would mean nothing
+
     def convert(self, value: Any, param, ctx) -> int:
         """Bytes; 0 stands for no limit (so "none" given on the command line is told from nothing given)."""
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if str(value).strip().lower() == "none":
-            return 0
-        match = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", str(value).lower())
-        if not match:
-            self.fail(f"{value!r} is not a size like 4096, 64MiB or 16G (or 'none')", param, ctx)
-        return int(match.group(1)) * _UNITS[match.group(2) or ""]
+        example = "4096, 64MiB or 16G" + (" (or 'none')" if self.limit else "")
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            self.fail(f"{value!r} is not a size like {example}", param, ctx)
+        if isinstance(value, int):
+            size = value
+        elif value.strip().lower() == "none":
+            size = 0
+        else:
+            match = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?)?b?\s*", value.lower())
+            if not match:
+                self.fail(f"{value!r} is not a size like {example}", param, ctx)
+            size = int(match.group(1)) * _UNITS[match.group(2) or ""]
+        if size < 0:
+            self.fail(f"{value!r} is negative: give a size like {example}", param, ctx)
+        if size == 0 and not self.limit:
+            self.fail(f"{value!r} is no size here (this is not a limit): give one above 0, like {example}", param, ctx)
+        return size
 
 
 class OctalMode(click.ParamType):
+    """Permission bits written in octal, as chmod takes them: "0750".
+
+    Only a string: TOML reads an unquoted 750 as the decimal number (0o1356).
+    """
+
     name = "mode"
 
     def convert(self, value: Any, param, ctx) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            mode = int(str(value), 8)
-        except ValueError:
-            self.fail(f"{value!r} is not an octal file mode like 0750", param, ctx)
-        if not 0 <= mode <= 0o777:
+        if isinstance(value, int) and not isinstance(value, bool):
+            self.fail(f"{value!r} is a decimal number, not an octal mode: quote it, e.g. '0750'", param, ctx)
+        if not isinstance(value, str) or not re.fullmatch(r"[0-7]+", value.strip()):
+            self.fail(f"{value!r} is not an octal file mode like '0750'", param, ctx)
+        mode = int(value, 8)
+        if mode > 0o777:
             self.fail(f"{value!r} is not a file mode between 0000 and 0777", param, ctx)
         return mode
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds up to the protocol's MAX_TIMEOUT_S.
+
+    Longer, the daemon would hand joins a timeout the protocol refuses;
+    inf overflows the drain's deadline and nan never reaches it.
+    """
+
+    name = "seconds"
+
+    def __init__(self, zero: bool = False):
+        self.zero = zero  # 0 means "at once" (an idle chunk freed, a drain skipped), not "never"
+
+    def convert(self, value: Any, param, ctx) -> float:
+        allowed = f"{'[' if self.zero else '('}0, {MAX_TIMEOUT_S:g}]"
+        try:
+            seconds = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and (0 <= seconds if self.zero else 0 < seconds) and seconds <= MAX_TIMEOUT_S):
+            self.fail(f"{value!r} is not a number of seconds in {allowed}", param, ctx)
+        return seconds
+
+
+class Integer(click.IntRange):
+    """An integer in range; refuses the float or boolean click would truncate (1.5 is no uid, true no port)."""
+
+    def convert(self, value: Any, param, ctx) -> int:
+        if isinstance(value, (bool, float)):
+            self.fail(f"{value!r} is not an integer", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class GroupName(click.ParamType):
+    """A group name or gid, as text or a non-negative integer; a float or boolean names no group."""
+
+    name = "group"
+
+    def convert(self, value: Any, param, ctx) -> str:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return str(value)
+        if not isinstance(value, str) or not value.strip():
+            self.fail(f"{value!r} is not a group name or gid", param, ctx)
+        return value
 
 
 @dataclass(frozen=True)
@@ -90,8 +156,10 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
-_SECONDS = click.FloatRange(min=0, min_open=True)
+_SECONDS = Seconds()
 DEFAULT_CONFIG = "/etc/peerd/peerd.toml"
+#: largest configuration file read; a bigger one is refused, not read on the daemon's loop
+MAX_CONFIG_BYTES = 1 << 20
 #: seconds SIGTERM waits for held buffers to be released
 SHUTDOWN_GRACE_S = 30.0
 
@@ -105,35 +173,36 @@ OPTIONS = (
            "Logging threshold: info logs each set going live, failing and freed; debug adds each rank's join and release."),
     Option("rendezvous_timeout", _SECONDS, DEFAULT_DEADLINE_S, "Seconds a join waits for every rank, unless the client asks otherwise."),
     Option("agreement_timeout", _SECONDS, DEFAULT_DEADLINE_S, "Seconds an agreement waits for every vote, unless the client asks otherwise."),
-    Option("socket_group", str, None, "Group (name or gid) given the socket and its directory; its members may connect."),
+    Option("socket_group", GroupName(), None,
+           "Group (name or gid) given the socket and its directory; its members may connect."),
     Option("socket_dir_mode", OctalMode(), 0o750, "Mode of the socket's directory (never group- or world-writable)."),
-    Option("allow_uid", int, (), "A uid allowed to call the daemon, besides root and the daemon's own (repeatable).",
-           multiple=True),
-    Option("allow_gid", str, (), "A group (name or gid) allowed to call the daemon (repeatable); when given, the "
-           "socket group is no longer allowed by default.", multiple=True),
+    Option("allow_uid", Integer(min=0), (),
+           "A uid allowed to call the daemon, besides root and the daemon's own (repeatable).", multiple=True),
+    Option("allow_gid", GroupName(), (), "A group (name or gid) allowed to call the daemon (repeatable); when given, "
+           "the socket group is no longer allowed by default.", multiple=True),
     Option("max_buffer_bytes", ByteSize(), Limits.max_buffer_bytes, "Largest single buffer."),
     Option("max_bytes_per_uid", ByteSize(), None, "Most bytes one uid may hold at once."),
     Option("max_bytes_per_device", ByteSize(), None, "Most bytes the daemon allocates on one device."),
-    Option("arena_chunk_bytes", ByteSize(), DEFAULT_CHUNK_BYTES, "Size of the chunks each uid's buffers are carved "
-           f"from, per device (a multiple of {ALIGNMENT}); a bigger buffer gets an allocation of its own."),
+    Option("arena_chunk_bytes", ByteSize(limit=False), DEFAULT_CHUNK_BYTES, "Size of the chunks each uid's buffers "
+           f"are carved from, per device (a multiple of {ALIGNMENT}); a bigger buffer gets an allocation of its own."),
     Option("arena_max_bytes_per_uid", ByteSize(), None, "Most bytes of chunks one uid may reserve, over all devices."),
-    Option("arena_idle_s", click.FloatRange(min=0), DEFAULT_IDLE_S,
+    Option("arena_idle_s", Seconds(zero=True), DEFAULT_IDLE_S,
            "Seconds a chunk stays empty before it goes back to the driver."),
-    Option("max_groups", click.IntRange(min=1), Limits.max_groups, "Most buffer sets held at once."),
-    Option("max_groups_per_uid", click.IntRange(min=1), Limits.max_groups_per_uid,
+    Option("max_groups", Integer(min=1), Limits.max_groups, "Most buffer sets held at once."),
+    Option("max_groups_per_uid", Integer(min=1), Limits.max_groups_per_uid,
            "Most buffer sets one uid may hold at once (its share of --max-groups)."),
-    Option("max_ranks", click.IntRange(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
-    Option("max_connections", click.IntRange(min=1), default_max_connections, "Most client connections held at "
+    Option("max_ranks", Integer(min=1, max=1024), Limits.max_ranks, "Most ranks in one group."),
+    Option("max_connections", Integer(min=1), default_max_connections, "Most client connections held at "
            f"once; more are shut down at once [default: what the hard fd limit carries, at most "
            f"{MAX_CONNECTIONS_CEILING}]."),
-    Option("max_connections_per_uid", click.IntRange(min=1), DEFAULT_CONNECTIONS_PER_UID,
+    Option("max_connections_per_uid", Integer(min=1), DEFAULT_CONNECTIONS_PER_UID,
            f"Most connections one uid may hold at once (a uid the allowlist refuses: {REFUSED_UID_CONNECTIONS})."),
-    Option("max_processes_per_uid", click.IntRange(min=1), MAX_PIDS_PER_UID,
+    Option("max_processes_per_uid", Integer(min=1), MAX_PIDS_PER_UID,
            "Most live processes of one uid the daemon watches for their death at once (a pidfd each); past "
            "it, joins and votes of its new processes are refused until some exit."),
-    Option("shutdown_grace", click.FloatRange(min=0), SHUTDOWN_GRACE_S,
+    Option("shutdown_grace", Seconds(zero=True), SHUTDOWN_GRACE_S,
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
-    Option("metrics_port", click.IntRange(min=0, max=65535), 0,
+    Option("metrics_port", Integer(min=0, max=65535), 0,
            "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs peerd[metrics])."),
     Option("control_pages", click.BOOL, True, "Give each live group a control page (tp_agree without a message, "
            "aborts that reach kernels); false: groups agree through the daemon's messages."),
@@ -223,15 +292,21 @@ class Loader:
 
     def read_file(self) -> tuple[dict[str, Any], str | None]:
         path, explicit = self.config_path()
-        if not os.path.exists(path):
-            if explicit:
-                raise ConfigError(f"configuration file {path} does not exist")
-            return {}, None
         try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except (OSError, tomllib.TOMLDecodeError) as err:
+            text = _read_config(path)
+        except FileNotFoundError:
+            if explicit:
+                raise ConfigError(f"configuration file {path} does not exist") from None
+            return {}, None
+        except OSError as err:
+            raise ConfigError(f"cannot read configuration file {path}: {err.strerror or err}") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"cannot read configuration file {path}: {err}") from None
+        except RecursionError:
+            raise ConfigError(f"cannot read configuration file {path}: its arrays or tables are nested too deeply "
+                              "(peerd's settings nest none)") from None
         unknown = sorted(set(data) - set(_BY_NAME))
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(_BY_NAME)}")
@@ -256,6 +331,34 @@ class Loader:
                 source = "default"
             values[option.name], sources[option.name] = value, source
         return Settings(**values), sources
+
+
+def _read_config(path: str) -> str:
+    """The file's text; ConfigError unless it is a regular file of UTF-8, at most MAX_CONFIG_BYTES.
+
+    Opened without blocking and checked before reading: SIGHUP reads it on
+    the daemon's loop, where a FIFO (opened or read) or a device would stall
+    every client.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"configuration file {path} is not a regular file: give the path of a TOML file")
+        chunks, left = [], MAX_CONFIG_BYTES + 1
+        while left and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"configuration file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: peerd's settings "
+                          "take a few lines; give the path of its TOML file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"configuration file {path} is not UTF-8 text (byte {err.start} is {data[err.start]:#04x}): "
+                          "save it as UTF-8") from None
 
 
 def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] = ()) -> Callable:

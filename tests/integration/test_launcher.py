@@ -219,28 +219,24 @@ def test_code_planted_in_the_current_directory_never_runs(socket_dir, tmp_path, 
 
 
 def test_the_jobs_daemon_reads_no_configuration_file_but_the_one_named():
-    """The node's /etc/peerd/peerd.toml is the node service's: its metrics port (held by the service) and its
-    socket group made every job's daemon fail to start. A file --config names is still read."""
+    """The node's /etc/peerd/peerd.toml is the node service's: its socket group (which a user need not be
+    in) made every job's daemon fail to start, and its metrics port clashed with the service's. A file
+    --config names is still read."""
     from peerd.settings import DEFAULT_CONFIG
 
     if os.path.exists(DEFAULT_CONFIG) or os.geteuid() != 0:
         pytest.skip(f"needs root and no {DEFAULT_CONFIG} of the machine's own (CI runs as root on a clean machine)")
-    import socket
-
-    with socket.socket() as held:  # the node service's metrics port
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        os.makedirs(os.path.dirname(DEFAULT_CONFIG), exist_ok=True)
-        try:
-            with open(DEFAULT_CONFIG, "w") as node:
-                node.write(f"metrics_port = {held.getsockname()[1]}\n")
-            ran = subprocess.run([sys.executable, "-m", "peerd", "run", "--backend", "host", "--", "true"],
-                                 capture_output=True, text=True, timeout=PATIENCE_S)
-            assert ran.returncode == 0, ran.stderr
-            named = subprocess.run([sys.executable, "-m", "peerd", "run", "--config", DEFAULT_CONFIG, "--backend",
-                                    "host", "--", "true"], capture_output=True, text=True, timeout=PATIENCE_S)
-            assert named.returncode == 125 and "daemon exited" in named.stderr, named.stderr
-        finally:
-            os.unlink(DEFAULT_CONFIG)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(DEFAULT_CONFIG))
+    os.makedirs(os.path.dirname(DEFAULT_CONFIG), exist_ok=True)
+    try:
+        with open(DEFAULT_CONFIG, "w") as node:
+            node.write('socket_group = "peerd-test-no-such-group"\n')
+        ran = subprocess.run([sys.executable, "-m", "peerd", "run", "--backend", "host", "--", "true"],
+                             capture_output=True, text=True, timeout=PATIENCE_S)
+        assert ran.returncode == 0, ran.stderr
+        named = subprocess.run([sys.executable, "-m", "peerd", "run", "--config", DEFAULT_CONFIG, "--backend",
+                                "host", "--", "true"], capture_output=True, text=True, timeout=PATIENCE_S)
+        assert named.returncode == 125 and "no such group 'peerd-test-no-such-group'" in named.stderr, named.stderr
+    finally:
+        os.unlink(DEFAULT_CONFIG)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(DEFAULT_CONFIG))
