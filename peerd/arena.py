@@ -41,11 +41,14 @@ Rules:
   opens a set only once every chunk it uses is ``ready``. A chunk whose
   memory could not be had after all is ``forsake``n: nothing more goes in
   it, and it goes back once its last buffer is released.
-- **Nothing zeroed at shutdown.** Once the daemon stops (``stopping``), a
-  freed range is left as it is and never handed out again: workers still
-  map it and their kernels may still run on it (a zeroed flag under a
-  spinning kernel reads as a peer's signal). The memory goes with the
-  daemon's context, or with the last mapping of its fd.
+- **Nothing zeroed or freed at shutdown.** Once the daemon stops
+  (``stopping``), a freed range is left as it is and never handed out
+  again, and its chunk is not given back (``trim`` skips it, a chunk of
+  its own included, whose mappers are not recorded): workers still map it
+  and their kernels may still run on it (a zeroed flag under a spinning
+  kernel reads as a peer's signal; a driver free under a mapping is
+  undefined). The memory goes with the daemon's context, or with the last
+  mapping of its fd.
 - **Idle chunks go back**: a shared chunk empty for ``idle_s`` is freed
   (``sweep``; at once when ``idle_s`` is 0), and every empty chunk on
   ``trim`` (eviction, shutdown), but see Note [No free under a mapping].
@@ -192,6 +195,7 @@ class Arenas:
         self._mapped: Index[int, int, Chunk] = Index()  # pid -> the shared chunks it was handed
         self._ids = itertools.count(1)
         self._stopping = False
+        self._left_at_shutdown: set[int] = set()  # chunks with a range freed while stopping: never trimmed
 
     def reserved(self, uid: int | None) -> int:
         return self._reserved.get(uid, 0)
@@ -295,7 +299,8 @@ class Arenas:
         chunk = placement.chunk
         size = chunk.used.pop(placement.offset)
         if self._stopping:
-            return  # left as it is, never handed out again; trim gives the chunk back if nobody maps it
+            self._left_at_shutdown.add(chunk.id)  # left as it is: never handed out again, nor given back
+            return
         if chunk.forsaken:
             if not chunk.used:
                 self._drop(chunk)  # no process was handed it: its handles never went out
@@ -323,7 +328,8 @@ class Arenas:
 
     def trim(self) -> list[Chunk]:
         """Free every empty chunk no live process maps, now (eviction, shutdown); those freed."""
-        empty = [c for c in self.chunks.values() if not c.used and not c.mappers]
+        empty = [c for c in self.chunks.values()
+                 if not c.used and not c.mappers and c.id not in self._left_at_shutdown]
         for chunk in empty:
             self._drop(chunk)
         return empty

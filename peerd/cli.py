@@ -72,7 +72,7 @@ def serve(settings: Settings) -> None:
 
 
 @main.command(options_metavar="[SERVE OPTIONS] --", context_settings={"allow_interspersed_args": False})
-@serve_options(hidden=("socket",))
+@serve_options(hidden=("socket",), node_file=False)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="CMD [ARGS]...")
 def run(settings: Settings, command: tuple[str, ...]) -> None:
     """Run CMD with a daemon of its own, started before it and stopped after it.

@@ -42,9 +42,10 @@ again just then, is refused more (LIMIT_EXCEEDED, with no fd): one uid holds
 at most that many replies' fds in flight. The cap is well above what a
 node's ranks of one user ask for at once (a chunk and an area each). Each
 such connection also holds a place in the daemon's fd room (peerd.fdroom)
-until it goes, and a request that finds the room full is refused: the
-users of the socket group together cannot spend the fds the daemon's
-connections need, however many of them there are.
+until it goes, and together they hold at most UNREAD_FD_SHARE of it; a
+request finding that share, or the whole room, taken is refused: the users
+of the socket group together cannot spend the fds the daemon's connections
+need, however many of them there are.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_UID = 16
 #: answered connections of one uid whose replies (and fds) its clients have not read, at most
 MAX_UNREAD_PER_UID = 64
-#: the share of the daemon's fd room (peerd.fdroom) those may fill, with whatever else is in it: the rest
-#: stays for the pidfds, as a process the daemon cannot watch cannot join
-UNREAD_FD_SHARE = 0.75
+#: the share of the daemon's fd room (peerd.fdroom) those may hold together, whatever else is in it: a
+#: reply read at once holds its place for a moment, so only a room full to the last place refuses it
+UNREAD_FD_SHARE = 0.25
 #: how long a connection may take to send its request
 REQUEST_WAIT_S = 1.0
 #: how often an answered connection is asked whether its client read the reply
@@ -219,8 +220,9 @@ class FdChannelServer:
         except OSError:
             data, flags = b"", 0
         if data and not flags & socket.MSG_TRUNC and len(data) <= MAX_REQUEST_BYTES:
-            placed = self._room.take(within=UNREAD_FD_SHARE)  # held while its reply stays unread
-            refusal = self._refusal(uid, now, placed)
+            share = self._room.size is None or len(self._unread) < self._room.size * UNREAD_FD_SHARE
+            placed = share and self._room.take()  # held while its reply stays unread
+            refusal = self._refusal(uid, now, share, placed)
             reply, fds = self._reply(conn, data) if refusal is None else (refusal, [])
             if self._send(conn, reply, fds) and fds:  # fds in flight: counted until read, even a part
                 del self._open[fd]
@@ -230,9 +232,14 @@ class FdChannelServer:
                 self._room.give()
         self._drop(fd)
 
-    def _refusal(self, uid: int, now: float, placed: bool) -> dict | None:
-        """Why a request gets no fds now, or None: its uid's unread replies are at their cap, or the
-        daemon's fd room is full."""
+    def _refusal(self, uid: int, now: float, share: bool, placed: bool) -> dict | None:
+        """Why a request gets no fds now, or None: unread replies hold their share of the daemon's fd room,
+        the room is full, or its uid's unread replies are at their cap."""
+        if not share:
+            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
+                f"{len(self._unread)} fd channel replies are still unread, their share of the daemon's fd room "
+                f"({UNREAD_FD_SHARE:.0%} of {self._room.size}): processes that ask for fds and never read them "
+                "hold them; stop them, or raise the daemon's hard fd limit (LimitNOFILE= in the unit)")}
         if not placed:
             return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
                 "the daemon cannot keep another fd channel connection open for its reply: "

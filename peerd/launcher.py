@@ -107,8 +107,9 @@ def private_daemon(argv_for: Callable[[str], list[str]], stop_timeout: float) ->
     try:
         socket = os.path.join(directory, SOCKET_NAME)
         argv = argv_for(socket)
-        if "--config" not in argv and not os.environ.get("PEERD_CONFIG"):
-            argv = ["--config", _empty_config(directory), *argv]
+        if "--config" not in argv:  # PEERD_CONFIG's path made absolute: the daemon starts in /
+            named = os.environ.get("PEERD_CONFIG")
+            argv = ["--config", os.path.abspath(named) if named else _empty_config(directory), *argv]
         daemon = JobDaemon(argv, socket, stop_timeout)
         try:
             daemon.wait_until_serving()

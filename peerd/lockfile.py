@@ -8,8 +8,8 @@ restarted after a crash take over the stale socket without any cleanup step.
 A stopping daemon removes the file before it lets go of the lock, so a
 daemon that opened the file just before may lock a file no path names any
 more, while a third creates and locks a new one: two daemons would serve.
-A lock counts only on the file the path still names; else the open is tried
-again.
+A lock counts only on a file still linked, the one the path names; else the
+open is tried again.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class SocketLock:
                              "daemon is starting and stopping on this socket; stop it first")
 
     def _lock_once(self) -> int | None:
-        """The fd of the file at the path, locked; None where the path named another file once it was."""
+        """The fd of the file at the path, locked; None where it was removed meanwhile."""
         try:  # never through a planted symlink: the truncation would hit its target
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
@@ -72,13 +72,8 @@ class SocketLock:
                 f"another peerd (pid {holder}) already serves this socket (lock {self.path}); "
                 "stop it first, or give this one another --socket"
             ) from None
-        held = os.fstat(fd)
-        try:
-            named = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            named = None
-        if named is None or (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
-            os.close(fd)
+        if os.fstat(fd).st_nlink == 0:  # removed since the open (inode numbers are no test: overlayfs and
+            os.close(fd)               # NFS may give stat and fstat of one file different ones)
             return None
         return fd
 

@@ -343,7 +343,8 @@ class Daemon:
 
     def _handle(self, frames: list[zmq.Frame]) -> Outbox:
         if len(frames) != 2:
-            self._malformed.add(f"{len(frames)} frames, not identity + one payload (dropped)")
+            log.debug("dropped a message of %d frames", len(frames))
+            self._malformed.add("not identity + one payload (dropped)")  # the count is the sender's to vary
             return []
         identity, payload = frames[0].bytes, frames[1]
         who = credentials(payload)

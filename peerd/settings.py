@@ -82,17 +82,20 @@ class ByteSize(click.ParamType):
 class OctalMode(click.ParamType):
     """Permission bits written in octal, as chmod takes them: "0750".
 
-    Only a string: TOML reads an unquoted 750 as the decimal number (0o1356).
+    Only a string ("0750" or "0o750"): TOML reads an unquoted 750 as the decimal
+    number (0o1356), and the number 0o750 cannot be told from it.
     """
 
     name = "mode"
 
     def convert(self, value: Any, param, ctx) -> int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            self.fail(f"{value!r} is a decimal number, not an octal mode: quote it, e.g. '0750'", param, ctx)
-        if not isinstance(value, str) or not re.fullmatch(r"[0-7]+", value.strip()):
+        if isinstance(value, int) and not isinstance(value, bool):  # 750 (decimal) or 0o750 alike: a number
+            self.fail(f"{value!r} is a number, not a mode: give the mode as a quoted octal string, e.g. '0750'",
+                      param, ctx)
+        digits = value.strip().lower().removeprefix("0o") if isinstance(value, str) else ""
+        if not re.fullmatch(r"[0-7]+", digits):
             self.fail(f"{value!r} is not an octal file mode like '0750'", param, ctx)
-        mode = int(value, 8)
+        mode = int(digits, 8)
         if mode > 0o777:
             self.fail(f"{value!r} is not a file mode between 0000 and 0777", param, ctx)
         return mode
@@ -284,21 +287,24 @@ class Loader:
 
     given: dict[str, Any]  # what the command line said (None or () where it said nothing)
     config: str | None = None  # --config
+    default_file: str | None = DEFAULT_CONFIG  # read where nothing names a file (None: no file then)
 
     def config_path(self) -> tuple[str | None, bool]:
         """The file to read, and whether someone asked for it explicitly."""
         explicit = self.config or os.environ.get("PEERD_CONFIG")
-        return (explicit, True) if explicit else (DEFAULT_CONFIG, False)
+        return (explicit, True) if explicit else (self.default_file, False)
 
     def read_file(self) -> tuple[dict[str, Any], str | None]:
         path, explicit = self.config_path()
+        if path is None:
+            return {}, None
         try:
             text = _read_config(path)
-        except FileNotFoundError:
-            if explicit:
-                raise ConfigError(f"configuration file {path} does not exist") from None
-            return {}, None
         except OSError as err:
+            if not explicit and not os.path.exists(path):  # the default file, absent or out of this user's sight
+                return {}, None
+            if isinstance(err, FileNotFoundError):
+                raise ConfigError(f"configuration file {path} does not exist") from None
             raise ConfigError(f"cannot read configuration file {path}: {err.strerror or err}") from None
         try:
             data = tomllib.loads(text)
@@ -361,20 +367,24 @@ def _read_config(path: str) -> str:
                           "save it as UTF-8") from None
 
 
-def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] = ()) -> Callable:
+def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] = (),
+                  node_file: bool = True) -> Callable:
     """Give a click command every daemon option and --config; it receives one ``settings``.
 
     The Loader is left in the click context's meta (key "peerd.loader") for
     commands that read the settings again (SIGHUP) or show their sources.
     ``hidden`` options are still parsed (so a command can refuse them with a
-    reason) but left out of its --help.
+    reason) but left out of its --help. Without ``node_file`` the command
+    reads DEFAULT_CONFIG only where --config or PEERD_CONFIG names it: it is
+    the node service's (`peerd run`'s daemon is the job's own).
     """
     if function is None:
-        return functools.partial(serve_options, hidden=hidden)
+        return functools.partial(serve_options, hidden=hidden, node_file=node_file)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        loader = Loader({o.name: kwargs.pop(o.name) for o in OPTIONS}, kwargs.pop("config"))
+        loader = Loader({o.name: kwargs.pop(o.name) for o in OPTIONS}, kwargs.pop("config"),
+                        DEFAULT_CONFIG if node_file else None)
         settings, _ = loader.load()
         click.get_current_context().meta["peerd.loader"] = loader
         return function(*args, settings=settings, **kwargs)
@@ -386,9 +396,10 @@ def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] =
             multiple=option.multiple, help=f"{option.help}{default} [env: {_env_name(option.name)}]",
             hidden=option.name in hidden,
         )(wrapper)
+    default_file = f"{DEFAULT_CONFIG} where it exists" if node_file else "none: the node's file is its service's"
     return click.option(
         "--config", "config", default=None, metavar="PATH",
-        help=f"Configuration file [default: {DEFAULT_CONFIG} where it exists] [env: PEERD_CONFIG]",
+        help=f"Configuration file [default: {default_file}] [env: PEERD_CONFIG]",
     )(wrapper)
 
 

@@ -228,15 +228,24 @@ def test_the_jobs_daemon_reads_no_configuration_file_but_the_one_named():
         pytest.skip(f"needs root and no {DEFAULT_CONFIG} of the machine's own (CI runs as root on a clean machine)")
     os.makedirs(os.path.dirname(DEFAULT_CONFIG), exist_ok=True)
     try:
-        with open(DEFAULT_CONFIG, "w") as node:
-            node.write('socket_group = "peerd-test-no-such-group"\n')
+        with open(DEFAULT_CONFIG, "w") as node:  # a group the job's daemon cannot take; a grace it must not use
+            node.write('socket_group = "peerd-test-no-such-group"\nshutdown_grace = -1\n')
         ran = subprocess.run([sys.executable, "-m", "peerd", "run", "--backend", "host", "--", "true"],
                              capture_output=True, text=True, timeout=PATIENCE_S)
-        assert ran.returncode == 0, ran.stderr
+        assert ran.returncode == 0, ran.stderr  # neither peerd run nor its daemon read the node's file
         named = subprocess.run([sys.executable, "-m", "peerd", "run", "--config", DEFAULT_CONFIG, "--backend",
                                 "host", "--", "true"], capture_output=True, text=True, timeout=PATIENCE_S)
-        assert named.returncode == 125 and "no such group 'peerd-test-no-such-group'" in named.stderr, named.stderr
+        assert named.returncode != 0 and "shutdown_grace" in named.stderr, named.stderr
     finally:
         os.unlink(DEFAULT_CONFIG)
         with contextlib.suppress(OSError):
             os.rmdir(os.path.dirname(DEFAULT_CONFIG))
+
+
+def test_a_relative_peerd_config_is_the_callers(tmp_path):
+    """The job's daemon starts in /: PEERD_CONFIG=rel.toml named /rel.toml there."""
+    (tmp_path / "rel.toml").write_text('log_level = "warning"\n')
+    ran = subprocess.run([sys.executable, "-m", "peerd", "run", "--backend", "host", "--", "true"], cwd=tmp_path,
+                         env={**os.environ, "PEERD_CONFIG": "rel.toml"}, capture_output=True, text=True,
+                         timeout=PATIENCE_S)
+    assert ran.returncode == 0, ran.stderr

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def selftest(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "peerd", "selftest", *args], env={**os.environ, **env},
@@ -54,3 +56,31 @@ def test_a_socket_whose_daemon_is_down_fails_with_the_reason_not_a_private_pass(
         result = selftest({"PEERD_SOCKET": path}, "--ranks", "2")
     assert result.returncode == 1 and "private daemon" not in result.stdout + result.stderr
     assert f"FAIL: the daemon at {path} cannot be used" in result.stderr, result.stderr
+
+
+def test_a_relative_socket_path_reaches_the_daemon_it_names(daemon):
+    """The workers start in /: a relative path (PEERD_SOCKET or --socket) is the caller's, made absolute."""
+    here = os.path.dirname(daemon.socket)
+    result = subprocess.run([sys.executable, "-m", "peerd", "selftest", "--ranks", "2", "--socket",
+                             os.path.basename(daemon.socket)], cwd=here, env=daemon.env(), capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0 and "private daemon" not in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user (CI runs as root)")
+def test_a_socket_in_a_directory_the_user_may_not_enter_is_no_reason_for_a_private_pass(socket_dir):
+    """/run/peerd is 0750: a user outside its group could not see the socket, so the check passed on a
+    private daemon while the node's was not this user's to use."""
+    from peerd.selftest import _something_at
+
+    closed = os.path.join(socket_dir, "run")
+    os.mkdir(closed, 0o700)
+    os.chmod(socket_dir, 0o755)
+    path = os.path.join(closed, "peerd.sock")
+    pid = os.fork()
+    if pid == 0:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        os._exit(0 if _something_at(path) and not _something_at(os.path.join(socket_dir, "none.sock")) else 1)
+    assert os.waitpid(pid, 0)[1] == 0

@@ -208,21 +208,25 @@ def test_trim_frees_every_empty_chunk_and_keeps_used_ones(arenas, source):
 
 def test_once_the_daemon_stops_a_freed_range_keeps_its_data_and_never_goes_out_again(arenas, source):
     """A worker still maps its buffer while the daemon shuts down, and its kernel may still poll it: a range
-    zeroed under it would read as a peer's signal. Nothing is zeroed; trim gives back what nobody maps."""
+    zeroed under it would read as a peer's signal, and a chunk freed under it is undefined (a chunk of its
+    own has no mappers on record). Nothing is zeroed; trim gives back only chunks no range was freed in."""
     kept, mapped = arenas.place(4096, "gpu0", 0, 1000), arenas.place(4096, "gpu1", 0, 1000)
-    arenas.handed([mapped], [7])
+    big, idle = arenas.place(2 * CHUNK, "gpu2", 0, 1000), arenas.place(4096, "gpu3", 0, 1000)
+    arenas.handed([mapped, big], [7])
+    arenas.release(idle, now=0.0)  # emptied before the shutdown: nobody holds it
     for p in (kept, mapped):
         source.memory[p.chunk.token][p.offset:p.offset + 4] = b"flag"
     arenas.stopping()
     arenas.release(kept, now=0.0)
     arenas.release(mapped, now=0.0)
-    assert source.pending == {} and kept.chunk.zeroing == [], "nothing zeroes a range at shutdown"
+    arenas.release(big, now=0.0)
+    assert source.pending.get(kept.chunk.token) is None and kept.chunk.zeroing == [], "nothing zeroed at shutdown"
     assert all(source.memory[p.chunk.token][p.offset:p.offset + 4] == b"flag" for p in (kept, mapped))
     again = arenas.place(4096, "gpu0", 0, 1000)
     assert (again.chunk, again.offset) != (kept.chunk, kept.offset), "a range left as it is never goes out again"
     arenas.release(again, now=0.0)
-    assert [c.token for c in arenas.trim()] == [kept.chunk.token] and source.freed == [kept.chunk.token]
-    assert mapped.chunk.token in source.memory, "pid 7 may still map its chunk"
+    assert [c.token for c in arenas.trim()] == [idle.chunk.token] and source.freed == [idle.chunk.token]
+    assert all(p.chunk.token in source.memory for p in (kept, mapped, big)), "a worker may still map them"
 
 
 def test_the_chunk_size_must_be_aligned(source):

@@ -90,13 +90,14 @@ def test_an_unquoted_mode_is_refused_with_the_advice_to_quote_it(tmp_path):
     assert "socket_dir_mode" in message and "'0750'" in message
 
 
-@pytest.mark.parametrize("text", ["'0999'", "'1777'", "'-750'", "'+750'", "'0o750'", "'7_50'", "''", "true"])
+@pytest.mark.parametrize("text", ["'0999'", "'1777'", "'-750'", "'+750'", "0o750", "'7_50'", "''", "true"])
 def test_a_mode_other_than_octal_permission_bits_is_refused(tmp_path, text):
     assert "socket_dir_mode" in refused(tmp_path, f"socket_dir_mode = {text}\n")
 
 
 def test_a_quoted_mode_is_read_as_octal(tmp_path, monkeypatch):
     assert load_file(tmp_path, "socket_dir_mode = '0750'\n").socket_dir_mode == 0o750
+    assert load_file(tmp_path, "socket_dir_mode = '0o750'\n").socket_dir_mode == 0o750
     monkeypatch.setenv("PEERD_SOCKET_DIR_MODE", "700")
     assert Loader({}, None).load()[0].socket_dir_mode == 0o700
 
@@ -183,3 +184,42 @@ def test_a_missing_file_is_an_error_only_when_named(tmp_path, monkeypatch):
     assert Loader({}, None).load()[0].log_level == "info"
     with pytest.raises(ConfigError, match="does not exist"):
         Loader({}, str(tmp_path / "absent.toml")).load()
+
+
+def _as_nobody(check) -> bool:
+    """``check()`` run in a forked child that became uid/gid 65534: whether it returned true."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os._exit(0 if check() else 1)
+        except BaseException:
+            os._exit(2)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user (CI runs as root)")
+def test_the_default_file_out_of_the_users_sight_counts_as_absent_a_named_one_is_an_error(tmp_path):
+    """A user who may not enter /etc/peerd (0700, the service's) got a ConfigError from every command that
+    reads the settings; the file it cannot see is no file to it, as before. A file it names is read or refused."""
+    hidden = tmp_path / "etc"
+    hidden.mkdir(mode=0o700)
+    (hidden / "peerd.toml").write_text("max_groups = 7\n")
+    os.chmod(tmp_path, 0o755)
+    path = str(hidden / "peerd.toml")
+    nothing = {o.name: (() if o.multiple else None) for o in OPTIONS}
+
+    def unseen_is_absent() -> bool:
+        return Loader(nothing, None, path).read_file() == ({}, None)
+
+    def named_is_refused() -> bool:
+        try:
+            Loader(nothing, path).read_file()
+        except ConfigError as err:
+            return "Permission denied" in str(err)
+        return False
+
+    assert _as_nobody(unseen_is_absent) and _as_nobody(named_is_refused)
+    assert Loader(nothing, None, path).read_file()[0] == {"max_groups": 7}, "root still reads it"
