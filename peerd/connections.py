@@ -10,6 +10,10 @@ guard never closes an fd it does not own). It runs on a thread of its own,
 so a busy loop never delays it, and libzmq blocks its I/O thread while the
 monitor's queue is full, so accepting never runs far ahead of the guard.
 The budget leaves room for that lag: see ``default_max_connections``.
+The last few connections of the total cap (``ADMIN_CONNECTIONS``) are kept
+for root and the daemon's own uid: other uids filling the cap must not
+blind `peerd status`, whose failure a liveness probe answers by restarting
+the daemon, which fails every group it serves.
 
 A connection whose opener exited is shut down too, within ``SWEEP_S``: a
 worker that forked (a data loader) and exited leaves its socket to the
@@ -66,6 +70,10 @@ MIN_DEFAULT_CONNECTIONS = 256
 DEFAULT_CONNECTIONS_PER_UID = 64
 #: a uid the allowlist refuses still gets a few connections, to receive its FORBIDDEN reply
 REFUSED_UID_CONNECTIONS = 4
+#: connections of --max-connections only root and the daemon's own uid may take, so that once other uids
+#: (one tenant may have many) hold the rest, `peerd status` (the liveness probe) still answers them; kept
+#: inside the cap, so the fd budget, which counts --max-connections, holds them already
+ADMIN_CONNECTIONS = 4
 #: seconds between two looks for connections whose opener exited
 SWEEP_S = 1.0
 
@@ -94,6 +102,11 @@ class ConnectionLimits:
     total: int  # --max-connections
     per_uid: int  # --max-connections-per-uid
 
+    @property
+    def reserved(self) -> int:
+        """The connections of ``total`` kept for the admins; at most half of it, so others still get a share."""
+        return min(ADMIN_CONNECTIONS, self.total // 2)
+
     def unsafe_under(self, fd_limit: int) -> str | None:
         """Why the fd limit cannot carry these caps through a flood of connections, or None."""
         if self.total <= connections_within(fd_limit):
@@ -116,8 +129,10 @@ class Opener:
 class ConnectionGuard:
     """Admits or shuts down each connection the ROUTER accepts; the loop only reads its counters."""
 
-    def __init__(self, router: zmq.Socket, limits: ConnectionLimits, allows: Callable[[int, int, GroupSource], bool]):
+    def __init__(self, router: zmq.Socket, limits: ConnectionLimits, admins: frozenset[int],
+                 allows: Callable[[int, int, GroupSource], bool]):
         self.limits = limits  # replaced on SIGHUP
+        self._admins = admins  # root and the daemon's own uid: they may take the reserved connections
         self._allows = allows  # the daemon's current allowlist: (uid, gid, supplementary groups) -> bool
         address = f"inproc://peerd-connections-{id(self)}"
         router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
@@ -220,6 +235,9 @@ class ConnectionGuard:
         limits = self.limits
         if len(self._uid_of) >= limits.total:
             return f"the daemon holds {limits.total} connections (--max-connections)"
+        if uid not in self._admins and len(self._uid_of) >= limits.total - limits.reserved:
+            return (f"the daemon holds {limits.total - limits.reserved} connections: the rest of --max-connections "
+                    f"({limits.total}) is kept for root and its own user")
         if not self._allows(uid, gid, groups):
             if self._by_uid[uid] >= REFUSED_UID_CONNECTIONS:
                 return f"uid {uid} is not in the allowlist and holds the {REFUSED_UID_CONNECTIONS} connections left to it"

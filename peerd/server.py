@@ -144,7 +144,7 @@ class Daemon:
         for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.RCVHWM, ROUTER_RCVHWM),
                               (zmq.SNDHWM, ROUTER_SNDHWM), (zmq.ROUTER_MANDATORY, 1)):
             self._router.setsockopt(option, value)
-        self._guard = ConnectionGuard(self._router, self.settings.connection_limits,
+        self._guard = ConnectionGuard(self._router, self.settings.connection_limits, self._admins,
                                       lambda uid, gid, groups: self.allowlist.admits(uid, gid, groups))
         self._guard.start()
         self._router.bind(endpoint(self.socket_path))

@@ -66,7 +66,8 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 @contextlib.contextmanager
 def local_users(group: str, *names: str):
-    """Real Unix users (no home, no login shell), members of group: created where missing, removed after."""
+    """Real Unix users (no home, no login shell), members of group: created where missing, removed after.
+    Yields each one's "uid:gid:group's gid", as tests/as_user.py and the ranks' --as-user take it."""
     created = []
     if not _exists(grp.getgrnam, group):
         subprocess.run(["groupadd", group], check=True)
@@ -77,7 +78,8 @@ def local_users(group: str, *names: str):
                             "--groups", group, name], check=True)
             created.insert(0, ["userdel", name])
     try:
-        yield
+        gid = grp.getgrnam(group).gr_gid
+        yield {name: f"{pwd.getpwnam(name).pw_uid}:{pwd.getpwnam(name).pw_gid}:{gid}" for name in names}
     finally:
         for command in created:
             subprocess.run(command, check=False)

@@ -5,10 +5,8 @@ Chunks are kept here (--arena-idle-s), as a production daemon keeps them.
 
 from __future__ import annotations
 
-import grp
 import json
 import os
-import pwd
 import signal
 import socket
 import subprocess
@@ -43,9 +41,8 @@ def users():
     """Two workers of the socket group: name -> uid:gid:socket gid."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create users (CI runs as root)")
-    with local_users(SOCKET_GROUP, USER_A, USER_B):
-        gid = grp.getgrnam(SOCKET_GROUP).gr_gid
-        yield {n: f"{pwd.getpwnam(n).pw_uid}:{pwd.getpwnam(n).pw_gid}:{gid}" for n in (USER_A, USER_B)}
+    with local_users(SOCKET_GROUP, USER_A, USER_B) as specs:
+        yield specs
 
 
 def arenas(d: Daemon) -> list[dict]:

@@ -11,7 +11,6 @@ point): what is asserted is behaviour, never timing.
 from __future__ import annotations
 
 import contextlib
-import grp
 import json
 import os
 import pwd
@@ -42,10 +41,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create 
 @pytest.fixture(scope="module")
 def users():
     """name -> "uid:gid:socket gid", for each of the three users; all in the socket group. Removed afterwards."""
-    with local_users(SOCKET_GROUP, FLOODER, BYSTANDER, STRANGER):
-        sock_gid = grp.getgrnam(SOCKET_GROUP).gr_gid
-        yield {name: f"{pwd.getpwnam(name).pw_uid}:{pwd.getpwnam(name).pw_gid}:{sock_gid}"
-               for name in (FLOODER, BYSTANDER, STRANGER)}
+    with local_users(SOCKET_GROUP, FLOODER, BYSTANDER, STRANGER) as specs:
+        yield specs
 
 
 @pytest.fixture
