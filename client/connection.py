@@ -89,13 +89,6 @@ PROBE_TIMEOUT_S = 2.0
 RETRY_EVERY_S = 1.0
 RETRY_MOST_EVERY_S = 30.0
 CLOSED = "closed"
-#: a connection the daemon drops this soon after its hello answer, while it still takes connections, was shut
-#: down by its guard over a connection cap (peerd.connections), which acts only as it takes a connection
-REFUSED_WITHIN_S = 1.0
-OVER_CAP = ("it shut this connection down as it took it, as it does once it holds all the connections its caps "
-            "allow: --max-connections in all (the last few kept for root and its own user), or "
-            "--max-connections-per-uid for this uid; end this user's idle processes holding a connection, or have "
-            "the daemon's admin raise the caps (`peerd status` as root lists the uids holding the most)")
 
 
 class Connection:
@@ -105,7 +98,6 @@ class Connection:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._lost: str | None = None
-        self._greeted = -math.inf  # when the daemon answered hello
         self._owner: int | None = None  # the thread inside call() or post(), if any
         # requests no one waits for, from threads that could not take the socket (a deque: appended without the
         # lock); the thread holding it sends them, woken through the socket pair if it is waiting (see send_later)
@@ -161,9 +153,7 @@ class Connection:
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
         if not self._sock.poll(int(timeout * 1000) + 1):
-            # dropped again and again (libzmq reconnects every 100 ms): the guard; a stopped daemon drops it once
-            why = f" ({OVER_CAP})" if self._drops() > 1 and self._takes_connections() else ""
-            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s{why}")
+            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s")
         frame = self._sock.recv(copy=False)
         sender = credentials(frame)
         if sender is None or sender.uid not in trusted:
@@ -179,7 +169,6 @@ class Connection:
             raise MonoUnsupported(f"peerd daemon sent a bad reply to hello: {err.message}", err.code.value)
         if not reply.ok:
             raise MonoUnsupported(reply.error.message, reply.error.code.value)
-        self._greeted = time.monotonic()
         return reply.body
 
     def close(self) -> None:
@@ -203,35 +192,14 @@ class Connection:
     def _check_lost(self) -> None:
         if self._lost == CLOSED:
             raise DaemonUnavailable(f"this connection to {self.path} was closed (the daemon went away earlier)")
-        if self._drops() and not self._lost:
-            refused = time.monotonic() - self._greeted < REFUSED_WITHIN_S and self._takes_connections()
-            self._lost = (OVER_CAP if refused
-                          else "the connection dropped: the daemon died, was restarted or stopped answering")
-        if self._lost:
-            verdict = "refused this connection" if self._lost == OVER_CAP else "went away"
-            raise DaemonUnavailable(f"peerd daemon at {self.path} {verdict} ({self._lost})")
-
-    def _drops(self) -> int:
-        """How often the connection dropped since the last look, as the monitor reports."""
-        drops = 0
         while self._monitor.poll(0):
             # a monitor event is (uint16 event, uint32 value), then the endpoint; parsed
             # here because zmq.utils.monitor imports asyncio, 40 ms of every worker's start
-            drops += struct.unpack("=H", self._monitor.recv_multipart()[0][:2])[0] == zmq.EVENT_DISCONNECTED
-        return drops
-
-    def _takes_connections(self) -> bool:
-        """Whether a daemon still listens at the path: one that died takes no connection (a full backlog
-        is a live daemon's)."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.setblocking(False)
-            try:
-                probe.connect(self.path)
-            except BlockingIOError:
-                return True
-            except OSError:
-                return False
-        return True
+            event = struct.unpack("=H", self._monitor.recv_multipart()[0][:2])[0]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost = "the connection dropped: the daemon died, was restarted or stopped answering"
+        if self._lost:
+            raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
 
     def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,
              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -70,13 +70,3 @@ def test_root_and_the_daemons_user_get_status_when_other_uids_fill_the_total_cap
     others = sum(held.get(int(users[user].split(":")[0]), 0) for user in (ALICE, BOB))
     assert others <= LIMITS.total - LIMITS.reserved, held
     assert "kept for root and its own user" in daemon.logs()
-
-
-def test_a_client_shut_down_over_a_cap_is_told_so(procs, daemon, users):
-    """Bob's `peerd status`, past the connections left to other uids, read "went away (the connection
-    dropped: the daemon died, was restarted or stopped answering)" or "did not answer hello"."""
-    fill(procs, daemon, users)
-    status = status_as(daemon, users[BOB])
-    assert status.returncode == 3, status.stderr
-    assert "--max-connections" in status.stderr and "raise the caps" in status.stderr, status.stderr
-    assert "died" not in status.stderr, status.stderr
