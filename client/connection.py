@@ -40,7 +40,9 @@ from typing import Any, Callable
 import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
-from peerd.protocol import MAX_FRAME_BYTES, MAX_TIMEOUT_S, VERSION, ProtocolError, Reply, decode_reply, encode_request
+from peerd.protocol import (
+    MAX_FRAME_BYTES, MAX_TIMEOUT_S, VERSION, ProtocolError, Reply, decode_reply, encode_request, is_wait,
+)
 from peerd.ops import check_reply, validate_request
 from peerd.trust import (
     DAEMON_USER_ADVICE,
@@ -70,7 +72,7 @@ def _seconds_from_env(name: str, default: float) -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S:
+    if is_wait(seconds):
         return seconds
     logging.getLogger("peerd_client").warning(
         "%s=%r is not a number of seconds in (0, %g]; using the default %gs", name, raw, MAX_TIMEOUT_S, default)

@@ -223,7 +223,8 @@ class FdChannelServer:
             share = self._room.size is None or len(self._unread) < self._room.size * UNREAD_FD_SHARE
             placed = share and self._room.take()  # held while its reply stays unread
             refusal = self._refusal(uid, now, share, placed)
-            reply, fds = self._reply(conn, data) if refusal is None else (refusal, [])
+            reply, fds = self._reply(conn, data) if refusal is None else (
+                {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": refusal}, [])
             if self._send(conn, reply, fds) and fds:  # fds in flight: counted until read, even a part
                 del self._open[fd]
                 self._unread[fd] = (conn, now, uid)  # looked at in this very pass: a quick client read it already
@@ -232,22 +233,18 @@ class FdChannelServer:
                 self._room.give()
         self._drop(fd)
 
-    def _refusal(self, uid: int, now: float, share: bool, placed: bool) -> dict | None:
-        """Why a request gets no fds now, or None: unread replies hold their share of the daemon's fd room,
-        the room is full, or its uid's unread replies are at their cap."""
+    def _refusal(self, uid: int, now: float, share: bool, placed: bool) -> str | None:
+        """Why a request gets no fds now (LIMIT_EXCEEDED), or None: unread replies hold their share of the
+        daemon's fd room, the room is full, or its uid's unread replies are at their cap."""
         if not share:
-            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
-                f"{len(self._unread)} fd channel replies are still unread, their share of the daemon's fd room "
-                f"({UNREAD_FD_SHARE:.0%} of {self._room.size}): processes that ask for fds and never read them "
-                "hold them; stop them, or raise the daemon's hard fd limit (LimitNOFILE= in the unit)")}
+            return (f"{len(self._unread)} fd channel replies are still unread, their share of the daemon's fd room "
+                    f"({UNREAD_FD_SHARE:.0%} of {self._room.size}): processes that ask for fds and never read them "
+                    "hold them; stop them, or raise the daemon's hard fd limit (LimitNOFILE= in the unit)")
         if not placed:
-            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
-                "the daemon cannot keep another fd channel connection open for its reply: "
-                f"{self._room.describe()}")}
+            return f"the daemon cannot keep another fd channel connection open for its reply: {self._room.describe()}"
         if self._unread_at_cap(uid, now):
-            return {"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (
-                f"uid {uid} has {MAX_UNREAD_PER_UID} fd channel replies it has not read (their file "
-                "descriptors are in flight): a process of this user asks for fds and never reads them; stop it")}
+            return (f"uid {uid} has {MAX_UNREAD_PER_UID} fd channel replies it has not read (their file "
+                    "descriptors are in flight): a process of this user asks for fds and never reads them; stop it")
         return None
 
     def _reply(self, conn: socket.socket, data: bytes) -> tuple[dict, list[int]]:

@@ -7,8 +7,9 @@ area (peerd.pages) and per host memory chunk (peerd.backends.host), an fd channe
 connection kept open until its client reads the fds of its reply (peerd.fdchannel),
 takes a place in this room first, and is refused, never opened, once the room is
 full: a user who makes the daemon watch processes, open areas, make chunks or leave
-replies unread cannot spend the fds its connections need. ``room_within`` sizes it from the fd limit. A chunk's place is given back by the
-thread that closes its memfd, so places are taken and given under a lock.
+replies unread cannot spend the fds its connections need. ``room_within`` sizes it
+from the fd limit. A chunk's place is given back by the thread that closes its
+memfd, so places are taken and given under a lock.
 """
 
 from __future__ import annotations
@@ -56,6 +57,5 @@ class FdRoom:
 
     def describe(self) -> str:
         return (f"the daemon holds {self.used} pidfds, control page areas, host memory chunks and unread fd "
-                f"channel replies, of the "
-                f"{self.size} file descriptors its limit leaves beside its connections: raise its hard fd limit "
-                "(LimitNOFILE= in the unit) or lower --max-connections")
+                f"channel replies, of the {self.size} file descriptors its limit leaves beside its connections: "
+                "raise its hard fd limit (LimitNOFILE= in the unit) or lower --max-connections")

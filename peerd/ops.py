@@ -28,6 +28,7 @@ from .protocol import (
     between,
     check_fields,
     decode_envelope,
+    is_wait,
     key,
 )
 
@@ -71,7 +72,7 @@ def _cursor(value: list | None) -> str | None:
 
 
 def _timeout(value: float | None) -> str | None:
-    if value is not None and not 0 < value <= MAX_TIMEOUT_S:
+    if value is not None and not is_wait(value):
         return f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {value}"
     return None
 

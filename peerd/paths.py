@@ -19,7 +19,7 @@ def default_socket() -> str:
     explicit = os.environ.get("PEERD_SOCKET")
     if explicit:
         return explicit
-    if os.geteuid() == 0 or _system_socket_there():
+    if os.geteuid() == 0 or something_at(SYSTEM_SOCKET):
         return SYSTEM_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
@@ -27,11 +27,12 @@ def default_socket() -> str:
     return f"/tmp/peerd-{os.getuid()}/peerd.sock"
 
 
-def _system_socket_there() -> bool:
-    """Whether the node's daemon socket exists, counting a directory this user may not
-    enter: the client then says permission denied and names the group that may."""
+def something_at(path: str) -> bool:
+    """Whether anything is at ``path``, counting a path this user may not look into (the node's socket
+    directory, 0750): the daemon there is not this user's, which is no reason to look elsewhere (the
+    client then says permission denied and names the group that may; selftest fails saying so)."""
     try:
-        os.lstat(SYSTEM_SOCKET)
+        os.lstat(path)
     except PermissionError:
         return True
     except OSError:

@@ -53,6 +53,12 @@ MAX_NBYTES = (1 << 63) - 1
 #: Longest timeout a caller may ask for, in seconds.
 MAX_TIMEOUT_S = 24 * 3600.0
 
+
+def is_wait(seconds: float, zero: bool = False) -> bool:
+    """Whether ``seconds`` is a wait the protocol carries: in (0, MAX_TIMEOUT_S], or from 0 where ``zero``
+    (at once). nan and inf fail both comparisons, so neither is one."""
+    return (0 <= seconds if zero else 0 < seconds) and seconds <= MAX_TIMEOUT_S
+
 #: ``flags`` bit: ask for fine-grained instead of uncached memory (hip only).
 FLAG_FINE_GRAINED = 0x1
 KNOWN_FLAGS = FLAG_FINE_GRAINED

@@ -21,6 +21,7 @@ import uuid
 import click
 
 from .ownpython import CHILD_CWD, python_child
+from .paths import something_at
 
 CHECKS = ("zero-filled", "barrier", "read every peer", "agreement")
 TIMES = ("setup_ms", "write_ms", "read_ms", "agree_ms", "close_ms")
@@ -52,7 +53,7 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
         )
         return 1
     socket_path = os.path.abspath(socket_path)  # the workers start in /
-    if _something_at(socket_path):  # a daemon's socket: test that daemon, or say why it cannot be tested
+    if something_at(socket_path):  # a daemon's socket: test that daemon, or say why it cannot be tested
         refusal = _refusal(socket_path)
         if refusal:
             click.echo(f"peerd selftest: FAIL: {refusal}", err=True)
@@ -66,18 +67,6 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
     except LaunchFailed as err:
         click.echo(f"peerd selftest: FAIL: {err}", err=True)
         return 1
-
-
-def _something_at(path: str) -> bool:
-    """Whether anything is at ``path``, counting a path this user may not look into (the node's socket
-    directory, 0750): that daemon is down or not this user's to test, never a reason to pass on another."""
-    try:
-        os.lstat(path)
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def _refusal(socket_path: str) -> str | None:

@@ -44,7 +44,7 @@ from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
 from .paths import default_socket
-from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S
+from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S, is_wait
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -119,7 +119,7 @@ class Seconds(click.ParamType):
             seconds = float(value) if not isinstance(value, bool) else math.nan
         except (TypeError, ValueError):
             seconds = math.nan
-        if not (math.isfinite(seconds) and (0 <= seconds if self.zero else 0 < seconds) and seconds <= MAX_TIMEOUT_S):
+        if not is_wait(seconds, self.zero):
             self.fail(f"{value!r} is not a number of seconds in {allowed}", param, ctx)
         return seconds
 

@@ -71,7 +71,7 @@ def test_a_relative_socket_path_reaches_the_daemon_it_names(daemon):
 def test_a_socket_in_a_directory_the_user_may_not_enter_is_no_reason_for_a_private_pass(socket_dir):
     """/run/peerd is 0750: a user outside its group could not see the socket, so the check passed on a
     private daemon while the node's was not this user's to use."""
-    from peerd.selftest import _something_at
+    from peerd.paths import something_at
 
     closed = os.path.join(socket_dir, "run")
     os.mkdir(closed, 0o700)
@@ -82,5 +82,5 @@ def test_a_socket_in_a_directory_the_user_may_not_enter_is_no_reason_for_a_priva
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
-        os._exit(0 if _something_at(path) and not _something_at(os.path.join(socket_dir, "none.sock")) else 1)
+        os._exit(0 if something_at(path) and not something_at(os.path.join(socket_dir, "none.sock")) else 1)
     assert os.waitpid(pid, 0)[1] == 0
