@@ -77,7 +77,7 @@ class PeerBuffer:
         self._link: GroupLink | None = None
         self._addresses_copied = None  # a torch.cuda.Event: the address copy, until it is seen complete
         self._released = True
-        self._conn = conn = connection()
+        self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
         rendezvous = timeout or conn.hello["rendezvous_timeout"]
         agreement = timeout or conn.hello["agreement_timeout"]
@@ -311,7 +311,10 @@ class PeerBuffer:
         The daemon frees the memory once every rank has released (or died), so
         closing never pulls memory from under a peer. Never raises: a release
         the daemon does not answer now (it stalled) is sent again once it
-        does; a daemon that restarted has freed everything already.
+        does; a daemon that restarted has freed everything already. Where
+        another thread of this process is inside a call to the daemon (a
+        rendezvous may wait a minute), that thread sends the release at once
+        and close() does not wait behind it.
         """
         self._close(wait=True)
 
@@ -343,7 +346,7 @@ class PeerBuffer:
         slot = self._held()
         try:
             if wait:
-                self._conn.call("release", slot)
+                self._conn.call_unless_busy("release", slot)
             else:
                 self._conn.send_later("release", slot)
         except DaemonUnavailable as err:
@@ -352,6 +355,9 @@ class PeerBuffer:
             undelivered.add("release", slot)
         except MonoUnsupported as err:
             log.warning("release of group=%s name=%s rank %d: %s", self.group_key, self.name, self.rank, err)
+        except BaseException:  # interrupted (Ctrl-C) before the answer: maybe sent, so sent again (a second
+            self._conn.send_later("release", slot)  # release of the set is answered NOT_FOUND, and skipped)
+            raise
 
     def __enter__(self) -> "PeerBuffer":
         return self

@@ -218,16 +218,43 @@ class Connection:
         with self._owned():
             self._send(op, self._ready(op, body))
 
+    def call_unless_busy(self, op: str, body: dict[str, Any]) -> None:
+        """A request whose answer nobody needs but this thread would rather wait for (a release):
+        answered before this returns, unless another thread is inside a call (a rendezvous may
+        wait a minute): then that thread sends it at once, woken, and this one does not wait."""
+        with self._owned(wait=False) as held:
+            if held:
+                self._call(op, body, REQUEST_TIMEOUT_S)
+                return
+        self.send_later(op, body)
+
     @contextlib.contextmanager
-    def _owned(self):
-        """The connection, held by this thread: a finalizer's send_later on it defers instead of waiting."""
-        with self._lock:
+    def _owned(self, wait: bool = True):
+        """The connection, held by this thread (yields True; False where ``wait`` is off and another
+        thread holds it): a finalizer's send_later on it defers instead of waiting."""
+        try:
+            if not self._lock.acquire(blocking=wait):
+                yield False
+                return
             self._owner = threading.get_ident()
             try:
-                yield
+                yield True
             finally:
                 self._owner = None
-        self._flush_deferred()  # what other threads left while this one held the socket
+                self._lock.release()
+        finally:  # whatever the call raised: what other threads left while this one held the socket
+            self._flush_deferred()
+
+    def notice_loss(self) -> None:
+        """Read what the monitor reported since the last call (the daemon died or restarted), so
+        the next user gets a fresh connection instead of this dead one's DaemonUnavailable; left to
+        the thread holding the socket where one does."""
+        if self._lock.acquire(blocking=False):
+            try:
+                with contextlib.suppress(DaemonUnavailable):
+                    self._check_lost()
+            finally:
+                self._lock.release()
 
     def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` checked, once the connection is known alive and the deferred requests went out."""
@@ -422,14 +449,20 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def connection() -> Connection:
+def connection(starting_over: bool = False) -> Connection:
     """This process's connection, opened on first use or after the daemon went away.
 
-    A fresh connection first delivers the releases a lost one could not.
+    A call on a connection whose daemon died raises DaemonUnavailable once,
+    so every rank hears of the restart; ``starting_over`` (a new PeerBuffer,
+    whose whole handshake is still to come) reads the monitor first and
+    reconnects at once instead. A fresh connection first delivers the
+    releases a lost one could not.
     """
     global _connection
     with _connection_lock:
         fresh = False
+        if _connection is not None and starting_over:
+            _connection.notice_loss()
         if _connection is not None and _connection._lost:
             _connection.close()  # what was left for it waits for the new one
             _connection = None

@@ -40,7 +40,8 @@ the member's):
   answered); a member without it commits through a message and the
   daemon writes its yes on the page (``vote_for``), or fails the set,
   aborting the page with the reason, on a no. A page post's yes settles
-  the set live (its round agreed); before the daemon fails a set still
+  the set live once the daemon reads round 1 agreed on the page
+  (``round_agreed``; a post the page does not confirm settles nothing); before the daemon fails a set still
   opening (a rank died or left unheard, the commit timed out) it closes
   round 1 (``close_round``), and a round that had agreed makes the set
   live instead: the ranks went on with it. After the commit, ``unmapped()`` decides for the group (see
@@ -293,6 +294,11 @@ def decode_verdict(word: int) -> tuple[int, int, int]:
     return word >> 24, (word >> 16) & 0xFF, word & 0xFFFF
 
 
+def _agreed(entry: int, k: int) -> bool:
+    """Whether the ring entry ``entry`` is round ``k``'s verdict, and says it agreed."""
+    return entry != 0 and decode_verdict(entry)[:2] == (k % (1 << ROUND_BITS), Outcome.AGREED)
+
+
 def encode_abort(code: int, reason: bytes) -> int:
     return zlib.crc32(reason) << 32 | len(reason) << 16 | code
 
@@ -393,8 +399,14 @@ class ControlPage:
         """The daemon decides round ``k`` where no rank has yet: ABORTED, so no rank can pass it once the
         daemon failed the set. True where the round had already agreed (every rank voted yes)."""
         entry = self.word(verdict_offset(k))
-        seen = atomics().compare_exchange(entry, 0, encode_verdict(k, Outcome.ABORTED, DAEMON_RANK))
-        return seen != 0 and decode_verdict(seen)[:2] == (k % (1 << ROUND_BITS), Outcome.AGREED)
+        return _agreed(atomics().compare_exchange(entry, 0, encode_verdict(k, Outcome.ABORTED, DAEMON_RANK)), k)
+
+    def round_agreed(self, k: int) -> bool:
+        """Whether round ``k`` agreed (every rank voted yes), deciding nothing: a rank's word that it
+        did is taken only once the page says so."""
+        seen = self.word(verdict_offset(k)).value
+        atomics().acquire_fence()
+        return _agreed(seen, k)
 
     # ------------------------------------------------------------ abort
 

@@ -224,6 +224,12 @@ class Pages:
         entry = self._pages.get(bset.id)
         return entry is not None and entry.page.close_round(COMMIT_ROUND)
 
+    def commit_seen_agreed(self, bset: BufferSet) -> bool:
+        """Whether the set's commit round on the page has agreed, deciding nothing: a rank posting that
+        it did is believed only then."""
+        entry = self._pages.get(bset.id)
+        return entry is not None and entry.page.round_agreed(COMMIT_ROUND)
+
     def hold_dropped(self, bset: BufferSet, slot: Slot, why: str) -> None:
         """A member died or released: its peers must not wait on it any more."""
         code = AbortCode.MEMBER_DIED if slot.dead else AbortCode.MEMBER_LEFT
@@ -353,6 +359,9 @@ class NoPages:
         pass
 
     def commit_agreed(self, bset: BufferSet) -> bool:
+        return False
+
+    def commit_seen_agreed(self, bset: BufferSet) -> bool:
         return False
 
     def process_gone(self, pid: int) -> None:

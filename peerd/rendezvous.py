@@ -389,8 +389,8 @@ class Rendezvous:
         if bset.commit.result is None:
             if not req["ok"]:  # a no decides the set: fail fast, with its reason
                 out += bset.commit.finish(False, bset.commit.reason)
-            elif on_page:  # posted after its round on the page agreed: every rank voted yes there
-                out += bset.commit.finish(True, "")
+            elif on_page and self.pages.commit_seen_agreed(bset):  # every rank voted yes there; a post
+                out += bset.commit.finish(True, "")  # the page does not confirm settles nothing (the timer does)
         self._settled(bset)
         return out
 

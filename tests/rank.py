@@ -506,28 +506,93 @@ def join_alone(args):
     return waiting, lonely
 
 
-def dropped_while_busy(args) -> dict:
-    """Rank 0 of --group drops its buffer while another thread of it waits in a join that nobody answers
-    (a group of its own, --timeout): prints DROPPED once the finalizer ran, then waits for that join. Rank 1
-    holds its buffer until a line on stdin."""
-    import gc
-
+def held_by_rank_1(args):
+    """A buffer of a 2-rank --group: rank 0 gets it; rank 1 prints READY, holds it until a line on
+    stdin, closes it and gets None."""
     from peerd_client import PeerBuffer
 
     buf = PeerBuffer(args.nbytes, args.group, args.rank, 2)
-    if args.rank == 1:
-        print("READY", flush=True)
-        sys.stdin.readline()
-        buf.close()
+    if args.rank == 0:
+        return buf
+    print("READY", flush=True)
+    sys.stdin.readline()
+    buf.close()
+    return None
+
+
+def dropped_while_busy(args) -> dict:
+    """Rank 0 of --group drops its buffer (--op drop) or closes it (--op close) while another thread of it
+    waits in a join that nobody answers (a group of its own, --timeout): prints DROPPED once the finalizer
+    ran or close() returned, then waits for that join. Rank 1 holds its buffer until a line on stdin."""
+    import gc
+
+    buf = held_by_rank_1(args)
+    if buf is None:
         return {}
     waiting, lonely = join_alone(args)
     start = time.monotonic()
-    del buf
-    gc.collect()
+    if args.op == "close":
+        buf.close()
+    else:
+        del buf
+        gc.collect()
     dropped = time.monotonic() - start
+    still_waiting = waiting.is_alive()
     print("DROPPED", flush=True)
     waiting.join()
-    return {"dropped_s": dropped, "lonely": lonely}
+    return {"dropped_s": dropped, "other_thread_still_waiting": still_waiting, "lonely": lonely}
+
+
+def dropped_in_failed_call(args) -> dict:
+    """Rank 0 of --group drops its buffer, and a collection pass runs inside a call of this thread that
+    then fails (a bad request): the finalizer leaves its release to that call, which must send it
+    however it ends. Prints DROPPED, then waits for a line on stdin. Rank 1 holds until a line on stdin."""
+    import gc
+
+    import peerd_client.connection as pc
+    from peerd_client import MonoUnsupported
+
+    buf = held_by_rank_1(args)
+    if buf is None:
+        return {}
+    buf.cycle = buf  # only the cycle collector can free it
+    del buf
+    checked = pc.validate_request
+
+    def collect_then_check(op, body):  # a collection pass that an allocation inside the call set off
+        gc.collect()
+        return checked(op, body)
+
+    pc.validate_request = collect_then_check
+    try:
+        pc.connection().call("agree", {"group": args.group, "rank": -1, "npes": 2, "ok": True})
+        failed = None
+    except MonoUnsupported as err:
+        failed = err.code
+    finally:
+        pc.validate_request = checked
+    print("DROPPED", flush=True)
+    sys.stdin.readline()
+    return {"failed": failed}
+
+
+def rebuilt_after_restart(args) -> dict:
+    """Hold a one-rank set, print READY, and after a line on stdin (the test restarted the daemon
+    meanwhile) vote on it, then build the group's next set: the first build after the restart works."""
+    from peerd_client import DaemonUnavailable, PeerBuffer, tp_agree
+
+    old = PeerBuffer(args.nbytes, args.group, 0, 1)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    try:
+        vote = repr(tp_agree(True, args.group))
+    except DaemonUnavailable as err:
+        vote = f"DaemonUnavailable: {err}"
+    new = PeerBuffer(args.nbytes, args.group, 0, 1, name="after")
+    agreed = tp_agree(True, args.group)
+    new.close()
+    old.close()
+    return {"vote_on_old_set": vote, "agreed_on_new_set": agreed}
 
 
 def closer(args) -> dict:
@@ -680,6 +745,8 @@ SCENARIOS = {
     "patient": patient,
     "closer": closer,
     "dropped_while_busy": dropped_while_busy,
+    "dropped_in_failed_call": dropped_in_failed_call,
+    "rebuilt_after_restart": rebuilt_after_restart,
     "vote": vote,
     "pipeline": pipeline,
 }

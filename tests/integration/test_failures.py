@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from peerd import protocol
@@ -77,6 +78,20 @@ def test_the_next_call_after_a_daemon_restart_is_daemon_unavailable_then_it_reco
     result = finish(rank)
     assert result["first"] is True and result["third"] is True, result
     assert "went away" in result["second"]
+
+
+def test_the_first_peerbuffer_after_a_daemon_restart_works(daemon):
+    """A new PeerBuffer reads the dropped connection off its monitor and reconnects: it used to get the
+    dead connection's DaemonUnavailable, after tp_agree had already said the daemon went away."""
+    rank = start_rank(daemon, "rebuilt_after_restart", 0, 1, "--group", "rebuilt", stdin=subprocess.PIPE)
+    _line(rank, "READY")
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    daemon.start()
+    _say(rank)
+    result = finish(rank)
+    assert result["ok"] and result["agreed_on_new_set"] is True, result
+    assert result["vote_on_old_set"].startswith("DaemonUnavailable") and "went away" in result["vote_on_old_set"]
 
 
 def test_a_forked_child_gets_a_clear_error_and_leaves_the_parent_alone(daemon):
@@ -341,12 +356,15 @@ def test_a_release_delivered_again_never_ends_the_next_set_of_the_same_rank(daem
     assert r["kept"] == 7, "the new set's memory was zeroed under its holder"
 
 
-def test_a_buffer_collected_while_another_thread_waits_in_a_call_is_released_at_once(daemon):
+@pytest.mark.parametrize("op", ["drop", "close"])
+def test_a_buffer_dropped_or_closed_while_another_thread_waits_in_a_call_is_released_at_once(daemon, op):
     """The finalizer's release waited up to 10 s for the thread holding the connection, then until that
-    process's next call; now the holder sends it from its wait, and the finalizer never blocks."""
-    group = "dropped-busy"
+    process's next call; close() waited behind that call for its whole timeout, and a Ctrl-C meanwhile
+    lost its release for good (close() was a no-op after). Now the holder sends either from its wait,
+    and neither the finalizer nor close() waits behind it."""
+    group = f"{op}-busy"
     holder = start_rank(daemon, "dropped_while_busy", 1, 2, "--group", group, stdin=subprocess.PIPE)
-    dropper = start_rank(daemon, "dropped_while_busy", 0, 2, "--group", group, "--timeout", "8")
+    dropper = start_rank(daemon, "dropped_while_busy", 0, 2, "--group", group, "--timeout", "8", "--op", op)
     _line(holder, "READY")
     _line(dropper, "DROPPED")
     wait_until(lambda: [held for g, held in _held(daemon) if g == group] == [[1]], 5,
@@ -354,4 +372,20 @@ def test_a_buffer_collected_while_another_thread_waits_in_a_call_is_released_at_
     _say(holder)
     assert finish(holder)["ok"]
     result = finish(dropper, timeout=60)
-    assert result["dropped_s"] < 1 and result["lonely"] == {"code": "TIMEOUT"}, result
+    assert result["other_thread_still_waiting"] and result["lonely"] == {"code": "TIMEOUT"}, result
+
+
+def test_a_release_left_to_a_call_that_fails_still_goes_out(daemon):
+    """A finalizer inside a call leaves its release to that call, which sent it only if it succeeded:
+    after a failed call the release waited for the process's next call (forever, on the page path)."""
+    group = "dropped-failed"
+    holder = start_rank(daemon, "dropped_in_failed_call", 1, 2, "--group", group, stdin=subprocess.PIPE)
+    dropper = start_rank(daemon, "dropped_in_failed_call", 0, 2, "--group", group, stdin=subprocess.PIPE)
+    _line(holder, "READY")
+    _line(dropper, "DROPPED")
+    wait_until(lambda: [held for g, held in _held(daemon) if g == group] == [[1]], 5,
+               "the daemon to hear rank 0's release although the call it was left to failed")
+    for rank in (holder, dropper):
+        _say(rank)
+    assert finish(holder)["ok"]
+    assert finish(dropper) == {"ok": True, "failed": "BAD_REQUEST"}

@@ -189,6 +189,19 @@ def test_a_commit_on_the_page_is_not_answered_and_a_commit_by_message_is_voted_o
     assert bset.state.name == "LIVE" and view.aborted() is None
 
 
+def test_a_post_that_the_page_does_not_confirm_settles_nothing_and_a_peers_no_still_fails_the_set(reg, pages):
+    """A member's post says its round on the page agreed; the daemon believes it only where the
+    page says so, so a member that posts yes without voting cannot make the set live over a peer
+    that could not map it (the peer's no fails the set, and that is what the peer is told)."""
+    out = join(reg, 0) + join(reg, 1)
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
+    assert commit(reg, 0, page=True) == [] and bset.state.name == "OPENING", "the round never agreed on the page"
+    answered = bodies(commit(reg, 1, ok=False, reason="cannot map peer 0"))
+    assert answered == {("v", 1): {"ok": False, "reason": "rank 1: cannot map peer 0"}}
+    assert bset.state.name == "FAILED" and view.aborted().code == AbortCode.SET_FAILED
+
+
 @pytest.mark.parametrize("agreed", [True, False])
 def test_an_opening_set_whose_commit_agreed_on_the_page_is_live_though_a_post_never_came(reg, pages, agreed):
     """Its ranks went on: a rank that dies (or stalls past the commit timeout) after its vote on the
