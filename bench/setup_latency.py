@@ -80,6 +80,10 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
                     marks[mark] = time.monotonic()
             setattr(owner, name, staticmethod(step) if isinstance(owner, type) and not method else step)
 
+        from peerd_client.mappings import mappings
+
+        timed(Connection, "__init__", "connected and greeted", method=True)
+        timed(mappings, "open", "chunk mapped", method=True)  # the last one of the set's
         timed(pagelink, "fetch_fds", "page fetched")
         timed(pagelink.Area, "attach", "page mapped")
         timed(hostmap, "MappedPage", "page registered")

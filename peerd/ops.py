@@ -124,7 +124,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        registry=True, watches=True),
     Op("commit", "Vote that this rank opened every peer's handle (or why it could not); the reply is the "
        "set's verdict. With `page` true the rank voted on the set's control page and had the verdict there: "
-       "nothing answers it but a refusal.",
+       "nothing answers it but a refusal, and its yes counts once the page shows the round agreed.",
        {**_SLOT, "ok": Field(bool), "reason": Field(str, _reason, ""), "timeout": _TIMEOUT,
         "page": Field(bool, None, False), "set": _SET},
        _VERDICT,
