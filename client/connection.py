@@ -208,32 +208,44 @@ class Connection:
         """Send one request; its reply body, or the daemon's error as MonoUnsupported.
 
         ``meanwhile`` runs once the request is out, before waiting: work that overlaps the daemon's answer.
+        Calls of one process's threads take turns on the connection; a call still waiting for its turn
+        when ``timeout`` has passed raises MonoUnsupported (TIMEOUT) without having sent anything.
         """
-        with self._owned():
-            return self._call(op, body, timeout, meanwhile)
+        started = time.monotonic()
+        with self._owned(timeout) as held:
+            if not held:
+                raise MonoUnsupported(
+                    f"{op} waited {timeout:g}s for another thread of this process to finish its call to the daemon "
+                    "(a rendezvous or a vote): calls of one process's threads take turns on its connection",
+                    "TIMEOUT")
+            return self._call(op, body, max(0.0, timeout - (time.monotonic() - started)), meanwhile)
 
     def post(self, op: str, body: dict[str, Any]) -> None:
         """Send one request whose answer comes another way (a commit on the control page): the
-        daemon answers it only with a refusal, which the next call skips as stray."""
-        with self._owned():
-            self._send(op, self._ready(op, body))
+        daemon answers it only with a refusal, which the next call skips as stray. Where another
+        thread holds the connection, that thread sends it."""
+        with self._owned(0) as held:
+            if held:
+                self._send(op, self._ready(op, body))
+                return
+        self.send_later(op, _checked(op, body))
 
     def call_unless_busy(self, op: str, body: dict[str, Any]) -> None:
         """A request whose answer nobody needs but this thread would rather wait for (a release):
         answered before this returns, unless another thread is inside a call (a rendezvous may
         wait a minute): then that thread sends it at once, woken, and this one does not wait."""
-        with self._owned(wait=False) as held:
+        with self._owned(0) as held:
             if held:
                 self._call(op, body, REQUEST_TIMEOUT_S)
                 return
         self.send_later(op, body)
 
     @contextlib.contextmanager
-    def _owned(self, wait: bool = True):
-        """The connection, held by this thread (yields True; False where ``wait`` is off and another
-        thread holds it): a finalizer's send_later on it defers instead of waiting."""
+    def _owned(self, timeout: float):
+        """The connection, held by this thread (yields True; False where another thread held it for
+        ``timeout`` seconds, 0: not at all): a finalizer's send_later on it defers instead of waiting."""
         try:
-            if not self._lock.acquire(blocking=wait):
+            if not (self._lock.acquire(timeout=timeout) if timeout > 0 else self._lock.acquire(blocking=False)):
                 yield False
                 return
             self._owner = threading.get_ident()
@@ -259,10 +271,7 @@ class Connection:
     def _ready(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` checked, once the connection is known alive and the deferred requests went out."""
         self._send_deferred()
-        try:
-            return validate_request(op, body)  # a bad call fails here, with the field named, not in the daemon
-        except ProtocolError as err:
-            raise MonoUnsupported(err.message, err.code.value) from None
+        return _checked(op, body)
 
     def _call(self, op: str, body: dict[str, Any], timeout: float,
               meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -359,6 +368,14 @@ class Connection:
         self._flush_deferred()
         if self._lost == CLOSED:  # closed meanwhile: nobody holds this connection any more
             self._hand_over_deferred()
+
+
+def _checked(op: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as validated for ``op``: a bad call fails here, with the field named, not in the daemon."""
+    try:
+        return validate_request(op, body)
+    except ProtocolError as err:
+        raise MonoUnsupported(err.message, err.code.value) from None
 
 
 class Undelivered:

@@ -209,24 +209,26 @@ class GroupLink:
 
 
 _links: dict[str, list[GroupLink]] = {}
+_links_lock = threading.RLock()  # reentrant: a finalizer's close_link may run inside open_link on its thread
 
 
 def open_link(key: str, link: GroupLink, supersedes: list[int]) -> None:
     """``link`` serves its group's tp_agree while no older link of the group is open that it does not
     supersede (the join reply's ``supersedes``: sets of the group some rank no longer holds)."""
-    links = _links.setdefault(key, [])
-    for older in links:
-        if older.instance == link.instance and older.set_id in supersedes:
-            older.superseded = True
-    links.append(link)
+    with _links_lock:
+        for older in list(_links.get(key, ())):
+            if older.instance == link.instance and older.set_id in supersedes:
+                older.superseded = True
+        _links.setdefault(key, []).append(link)  # looked up again: a finalizer may have emptied the list
 
 
 def close_link(key: str, link: GroupLink) -> None:
-    links = _links.get(key, [])
-    if link in links:
-        links.remove(link)
-    if not links:
-        _links.pop(key, None)
+    with _links_lock:
+        links = _links.get(key, [])
+        if link in links:
+            links.remove(link)
+        if not links:
+            _links.pop(key, None)
     link.close()
 
 
@@ -236,7 +238,8 @@ def link_for(key: str) -> GroupLink | None:
     the same reply. A set kept open across a daemon restart, or one a peer left before the group
     built another set with this process, serves no vote once that other set is open: its votes would
     be False, or DaemonUnavailable, for good, while the peer votes on the newer set."""
-    links = list(_links.get(key, ()))  # a copy: another thread (or a finalizer) may close one meanwhile
+    links = list(_links.get(key, ()))  # a copy, one step under the GIL: another thread (or a finalizer) may close
+    # one meanwhile; no lock on tp_agree's path
     if not links:
         return None
     newest = [link for link in links if link.instance == links[-1].instance]
@@ -244,7 +247,8 @@ def link_for(key: str) -> GroupLink | None:
 
 
 def _forget_after_fork() -> None:
-    global _areas_lock
+    global _areas_lock, _links_lock
+    _links_lock = threading.RLock()
     _links.clear()  # a forked child holds none of its parent's ranks,
     _areas.clear()  # nor its registrations; the parent's watches run in no thread of the child
     _watches.clear()

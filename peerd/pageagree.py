@@ -12,6 +12,9 @@ across processes is Note [Control page layout] in peerd.controlpage.
 
 from __future__ import annotations
 
+import threading
+import time
+
 from .atomics import PageError, atomics
 from .controlpage import (
     OFF_ABORT,
@@ -58,6 +61,7 @@ class PageVoter:
         self.page, self.rank, self.label = page, rank, label or "this group"
         spin = spin_budget(page.npes) if spin_s is None else spin_s
         self._round = native_voter()(page.address, page.npes, rank, LAYOUT, spin, WAIT_SLICE_S)
+        self._turn = threading.Lock()  # one round of this rank at a time: see agree
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
         self._ballots = [page.word(slot_offset(r) + OFF_VOTES) for r in range(page.npes)]
 
@@ -75,9 +79,21 @@ class PageVoter:
 
     def agree(self, ok: bool, deadline: float) -> Verdict:
         """Vote ``ok`` in the next round and wait for its verdict, at most
-        until monotonic instant ``deadline`` (then the round times out)."""
-        word = self._round.agree(ok, deadline)
-        return AGREED if word is True else self._read(self._round.rounds, word)
+        until monotonic instant ``deadline`` (then the round times out).
+
+        Threads of one rank take turns, as their calls through the daemon do:
+        a rank's slot holds two rounds' votes, so a third round entered while
+        the first is open would write over its vote (Note [Control page layout]).
+        A thread whose deadline passes while another's round runs votes nothing."""
+        if not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return Verdict(False, f"tp_agree of {self.label}: another thread of rank {self.rank} held its round "
+                                  "until this call's deadline (one rank's rounds run one at a time)")
+        try:
+            word = self._round.agree(ok, deadline)
+            k = self._round.rounds
+        finally:
+            self._turn.release()
+        return AGREED if word is True else self._read(k, word)
 
     @staticmethod
     def _behind(word: int, k: int) -> bool:

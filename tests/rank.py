@@ -576,6 +576,31 @@ def dropped_in_failed_call(args) -> dict:
     return {"failed": failed}
 
 
+def vote_behind_busy_thread(args) -> dict:
+    """A thread waits in a vote nobody else joins (--timeout 20); this one votes in another group with
+    timeout 1: its call waited behind the other's whole wait, and now ends at its own deadline."""
+    import threading
+
+    from peerd_client import MonoUnsupported, tp_agree
+
+    lonely: dict = {}
+
+    def wait_alone() -> None:
+        lonely["verdict"] = tp_agree(True, f"{args.group}-lonely", 0, 2, timeout=20)
+
+    waiting = threading.Thread(target=wait_alone)
+    waiting.start()
+    time.sleep(0.5)  # inside its call: the connection is held
+    try:
+        tp_agree(True, args.group, 0, 2, timeout=1)
+        mine = {"raised": None}
+    except MonoUnsupported as err:
+        mine = {"raised": err.code, "message": str(err)}
+    mine["other_thread_still_waiting"] = waiting.is_alive()
+    waiting.join()
+    return {**mine, "lonely": lonely}
+
+
 def rebuilt_after_restart(args) -> dict:
     """Hold a one-rank set, print READY, and after a line on stdin (the test restarted the daemon
     meanwhile) vote on it, then build the group's next set: the first build after the restart works."""
@@ -747,6 +772,7 @@ SCENARIOS = {
     "dropped_while_busy": dropped_while_busy,
     "dropped_in_failed_call": dropped_in_failed_call,
     "rebuilt_after_restart": rebuilt_after_restart,
+    "vote_behind_busy_thread": vote_behind_busy_thread,
     "vote": vote,
     "pipeline": pipeline,
 }

@@ -222,6 +222,35 @@ def test_every_rank_of_a_busy_group_answers_the_same_and_no_round_is_lost(pages)
     assert all(a == [k % 7 != 0 for k in range(1, 2001)] for a in answers.values())
 
 
+def test_threads_of_one_rank_take_turns_so_a_no_is_never_written_over(pages):
+    """Three threads of rank 1 vote no, yes, yes while rank 0 waits: a third round entered while the
+    first was open wrote over its vote bit (a slot holds two rounds), and the no came back True on
+    every rank. Now a rank's rounds run one at a time, in the order its threads came."""
+    page = pages(2)
+    mine, theirs = PageVoter(page, 1, spin_s=0), PageVoter(twin(page), 0, spin_s=0)
+    answers: dict[str, bool] = {}
+
+    def vote(name, ok):
+        answers[name] = mine.agree(ok, time.monotonic() + 30).ok
+
+    threads = []
+    for name, ok in (("no", False), ("yes", True), ("again", True)):
+        threads.append(threading.Thread(target=vote, args=(name, ok)))
+        threads[-1].start()
+        time.sleep(0.2)  # each thread inside its call before the next comes
+    rank0 = [theirs.agree(True, time.monotonic() + 30).ok for _ in range(3)]
+    for t in threads:
+        t.join(60)
+    assert rank0 == [False, True, True] and answers == {"no": False, "yes": True, "again": True}, (rank0, answers)
+    waiting = threading.Thread(target=vote, args=("held", True))
+    waiting.start()  # round 4, open: rank 0 has not voted
+    time.sleep(0.2)
+    late = mine.agree(True, time.monotonic() + 0.2)
+    assert not late.ok and "another thread of rank 1 held its round" in late.reason, late.reason
+    assert theirs.agree(True, time.monotonic() + 30).ok and mine.rounds == 4, "the late thread voted nothing"
+    waiting.join(60)
+
+
 def test_a_signal_handler_that_raises_ends_a_wait(pages):
     page = pages(2)
     voter = PageVoter(page, 0, spin_s=0)
