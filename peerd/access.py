@@ -107,7 +107,9 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
     if info.st_uid != os.geteuid():
         raise UnsafeSocketDirectory(
             f"socket directory {directory} is owned by {describe_uid(info.st_uid)}, not by this daemon (uid "
-            f"{os.geteuid()}): another user could replace the socket; use a directory the daemon owns"
+            f"{os.geteuid()}): another user could replace the socket; use a directory the daemon owns (--socket, or, "
+            "for the default path, PEERD_SOCKET or XDG_RUNTIME_DIR: /tmp/peerd-$UID is the last default, and any "
+            "user can make that name first)"
         )
     if created:
         os.fchmod(fd, mode)  # mkdir's mode went through the umask
