@@ -41,10 +41,11 @@ the member's):
   daemon writes its yes on the page (``vote_for``), or fails the set,
   aborting the page with the reason, on a no. A page post's yes settles
   the set live once the daemon reads round 1 agreed on the page
-  (``round_agreed``; a post the page does not confirm settles nothing); before the daemon fails a set still
-  opening (a rank died or left unheard, the commit timed out) it closes
-  round 1 (``close_round``), and a round that had agreed makes the set
-  live instead: the ranks went on with it. After the commit, ``unmapped()`` decides for the group (see
+  (``round_agreed``; a post the page does not confirm settles nothing);
+  before the daemon fails a set still opening (a rank died or left
+  unheard, the commit timed out) it closes round 1 (``close_round``), and
+  a round that had agreed makes the set live instead: the ranks went on
+  with it. After the commit, ``unmapped()`` decides for the group (see
   "The choice" below).
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an

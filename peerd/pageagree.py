@@ -85,7 +85,8 @@ class PageVoter:
         a rank's slot holds two rounds' votes, so a third round entered while
         the first is open would write over its vote (Note [Control page layout]).
         A thread whose deadline passes while another's round runs votes nothing."""
-        if not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not self._turn.acquire(blocking=False) and \
+                not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):  # the clock only if contended
             return Verdict(False, f"tp_agree of {self.label}: another thread of rank {self.rank} held its round "
                                   "until this call's deadline (one rank's rounds run one at a time)")
         try:
