@@ -123,8 +123,11 @@ class PeerBuffer:
         remember(member)
 
         failure, pointers, fds = None, [], []
+        self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
+                               conn.hello["agreement_timeout"], joined["set"])
         try:
             _check_joined(joined, conn.hello["backend"], member.npes)
+            self._link.ask(conn, self._held(), joined.get("page"))  # answered while the chunks open
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             chunks = [(conn.hello["pid"], handle) for handle in joined["handles"]]
@@ -141,10 +144,10 @@ class PeerBuffer:
         finally:
             for fd in set(fds):  # a mapping keeps the memory; the fds are spent (ranks of one chunk share one)
                 os.close(fd)
-        self._link = GroupLink(conn.hello.get("instance"), member.rank, member.npes, where,
-                               conn.hello["agreement_timeout"], joined["set"])
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
             self._link.attach(conn, self._held(), self.device, joined.get("page"))
+        else:
+            self._link.close()  # the page area's request, if one went out, is not read
         try:
             if failure is None and self._link.page is not None:
                 verdict = self._commit_on_page(conn, member, pointers, agreement)

@@ -5,14 +5,18 @@ generation]``, peerd.pages). A process keeps every control page area it
 was given mapped for its whole life, keyed by (daemon instance, area id),
 and registered once with the GPU where a buffer lives on one
 (peerd_client.hostmap): only the first PeerBuffer per area asks the
-daemon's fd channel for it; every later one builds a view at area base +
-offset, checks its header, marks it mapped and goes on, with no message,
-mmap or driver call. One watch per daemon run per process reads the
+daemon's fd channel for it, sending the request before it opens the set's
+chunks and reading the answer after; every later one builds a view at area
+base + offset, checks its header, marks it mapped and goes on, with no
+message, mmap or driver call. One watch per daemon run per process reads the
 daemon's alive pipe and, when that run ends, aborts the page of every open
 link of it. Anything that fails on the way (an old daemon that announces no
-instance, a set without a page, a page from another daemon run, no memfd,
-cudaHostRegister refused) costs one WARNING and leaves the rank on the
-daemon's message path, never a crash. Whether the group as a whole takes
+instance, a set without a page, a page from another daemon run, no memfd)
+costs one WARNING and leaves the rank on the daemon's message path, never a
+crash. On CUDA the area is registered with the GPU at the first
+``abort_address`` (peerd_client.hostmap); a registration that fails then
+leaves the votes on the page and the rank's kernels polling no abort word,
+as on the message path, with a WARNING. Whether the group as a whole takes
 the page is read after the commit verdict (Note [Control page layout],
 "The choice"), so every rank takes the same path.
 
@@ -34,7 +38,7 @@ from typing import Any
 
 from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
 from peerd.pagearea import Area
-from peerd.fdchannel import fetch_fds
+from peerd.fdchannel import FdRequest
 from peerd.pageagree import PageVoter, native_voter
 from peerd.paths import fd_socket_path
 
@@ -96,14 +100,26 @@ _watches: dict[int, _DaemonWatch] = {}  # daemon instance -> its watch
 _areas_lock = threading.Lock()
 
 
-def _held_area(conn, slot: dict, instance: int, area_id: int) -> _HeldArea:
-    """Area ``area_id`` of daemon run ``instance``, mapped here; fetched over the fd channel the first time."""
+def ask_area(conn, slot: dict, instance: int, area_id: int) -> FdRequest | None:
+    """Area ``area_id``'s request, sent now unless this process holds the area already: the daemon
+    answers while the caller opens its chunks, and ``_held_area`` reads the answer."""
+    if (instance, area_id) in _areas:
+        return None
+    return FdRequest(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"])
+
+
+def _held_area(conn, slot: dict, instance: int, area_id: int, asked: FdRequest | None) -> _HeldArea:
+    """Area ``area_id`` of daemon run ``instance``, mapped here; fetched over the fd channel the first
+    time, from the answer to ``asked`` where the request went out already."""
     with _areas_lock:
         held = _areas.get((instance, area_id))
-        if held is not None:
+        if held is not None:  # another thread of this process mapped it meanwhile
+            if asked is not None:
+                asked.close()
             return held
-        handles, fds = fetch_fds(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S,
-                                 daemon_pid=conn.hello["pid"])
+        if asked is None:
+            asked = ask_area(conn, slot, instance, area_id)
+        handles, fds = asked.reply()
         if handles != PAGE_HANDLES or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
@@ -135,7 +151,9 @@ class GroupLink:
         self.page: ControlPage | None = None
         self.mapped = None  # hostmap.MappedPage where the buffer is on a GPU
         self.voter: PageVoter | None = None
+        self.on_gpu = False  # kernels poll ``mapped``, never the host page
         self._watch: _DaemonWatch | None = None
+        self._asked: FdRequest | Exception | None = None  # the page area's request, sent by ask()
 
     @property
     def daemon_gone(self) -> bool:
@@ -144,21 +162,38 @@ class GroupLink:
 
     @property
     def abort_source(self):
-        """What all_reduce polls: the GPU mapping, else the page itself, else None."""
-        return self.mapped or self.page
+        """What all_reduce polls: on a GPU the page mapped there (None if its area's registration
+        failed), else the page itself; None without a page."""
+        if self.mapped is not None and not self.mapped.usable(self.label):
+            self.mapped = None
+        return self.mapped if self.on_gpu else self.page
+
+    def ask(self, conn, slot: dict, location: list[int] | None) -> None:
+        """Send the request for the area of the page at ``location`` now, where this process lacks
+        it, so the daemon answers while the set's chunks open; attach() reads the answer."""
+        if self.instance is None or location is None:
+            return
+        try:
+            self._asked = ask_area(conn, slot, self.instance, location[0])
+        except Exception as err:  # raised by attach(), which stays on the message path
+            self._asked = err
 
     def attach(self, conn, slot: dict, device, location: list[int] | None) -> None:
         """Find the page at ``location`` (the join reply's ``page``) in its area, mapped once per
         process, and mark it; on any failure stay on the message path (one WARNING)."""
+        asked, self._asked = self._asked, None
         try:
             if self.instance is None:
                 raise MonoUnsupported("the daemon announces no instance id: it predates control pages")
             if location is None:
                 raise MonoUnsupported("the daemon placed no control page for this set: it runs with "
                                       "--control-pages false, or could not make one (its log says why)")
+            if isinstance(asked, Exception):
+                raise asked
             native_voter()  # before the mark: a rank that could not vote on the page must not choose it
             area_id, offset, generation = location
-            held = _held_area(conn, slot, self.instance, area_id)
+            held = _held_area(conn, slot, self.instance, area_id, asked)
+            asked = None
             self.page = held.area.page(offset, self.npes, instance=self.instance, generation=generation)
             if device.type == "cuda":
                 from .hostmap import MappedArea, MappedPage  # torch and the GPU runtime: only where a GPU is used
@@ -166,6 +201,9 @@ class GroupLink:
                 if held.gpu is None:
                     held.gpu = MappedArea(held.area.address, held.area.size)
                 self.mapped = MappedPage(self.page, held.gpu, device)
+                if not held.gpu.registers_in_capture:  # registered now, never inside a graph capture
+                    held.gpu.base(device)
+                self.on_gpu = True
             self._watch = held.watch
             self._watch.add(self)
             self.page.mark_mapped(self.rank)
@@ -173,6 +211,9 @@ class GroupLink:
             log.warning("%s has no control page, so its group agrees through the daemon's messages: %s: %s",
                         self.label, type(err).__name__, err)
             self.close()
+        finally:
+            if isinstance(asked, FdRequest):
+                asked.close()
 
     def commit(self, timeout: float) -> dict:
         """The set's commit vote, on the page (COMMIT_ROUND): ``{ok, reason}`` as the daemon answers
@@ -202,6 +243,9 @@ class GroupLink:
         """Stop using the page: its area stays mapped (and registered) for the next set in it. No
         kernel of this rank may still poll the page once its set is released."""
         self.voter = None
+        asked, self._asked = self._asked, None
+        if isinstance(asked, FdRequest):  # a set that failed before its page was attached
+            asked.close()
         if self._watch is not None:
             self._watch.discard(self)
             self._watch = None

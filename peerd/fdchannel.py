@@ -308,22 +308,41 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
     The daemon's refusal raises ProtocolError with its code; a daemon that
     cannot be reached (or an impostor), OSError.
     """
-    deadline = time.monotonic() + timeout
-    fds: list[int] = []
-    with connect(path, timeout) as sock:
+    with FdRequest(path, slot, timeout, daemon_pid) as request:
+        return request.reply()
+
+
+class FdRequest:
+    """``fetch_fds`` in two halves: the request goes out at construction, the reply is read by
+    ``reply()``, so a worker does other work (a GPU open) while the daemon answers. Raises as
+    ``fetch_fds`` does; ``close()`` (or the with block) drops a reply never read, fds included."""
+
+    def __init__(self, path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> None:
+        self.path = path
+        self._deadline = time.monotonic() + timeout
+        self._sock = connect(path, timeout)
         try:
-            server = peer_credentials(sock).pid
+            server = peer_credentials(self._sock).pid
             if daemon_pid is not None and server not in (0, daemon_pid):
                 raise ConnectionError(
                     f"the fd channel at {path} is served by pid {server}, not by the daemon (pid {daemon_pid}); "
                     "refusing its memory: check who created that socket"
                 )
-            sock.send(msgpack.packb(slot, use_bin_type=True))
+            self._sock.send(msgpack.packb(slot, use_bin_type=True))
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def reply(self) -> tuple[list[bytes], list[int]]:
+        """The handles and their fds, as ``fetch_fds`` returns them; waits until the request's deadline."""
+        path, sock = self.path, self._sock
+        fds: list[int] = []
+        try:
             handles: list[bytes] | None = None
             index: list[int] = []
             distinct = 0
             while handles is None or len(fds) < distinct:
-                _wait_at_most(sock, deadline - time.monotonic())
+                _wait_at_most(sock, self._deadline - time.monotonic())
                 data, received, flags, _ = socket.recv_fds(
                     sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
                 )
@@ -345,6 +364,18 @@ def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = No
             for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Hang up; fds the daemon sent and nobody read are closed with the socket's queue."""
+        self._sock.close()
+
+    def __enter__(self) -> "FdRequest":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def connect(path: str, timeout: float) -> socket.socket:

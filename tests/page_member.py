@@ -66,8 +66,13 @@ def main() -> None:
 
         pagelink.Area.attach = refused
     fetches = []
-    fetch = pagelink.fetch_fds
-    pagelink.fetch_fds = lambda path, slot, *a, **kw: fetches.append(slot) or fetch(path, slot, *a, **kw)
+
+    class CountedRequest(pagelink.FdRequest):  # every request for a page area this process sends
+        def __init__(self, path, slot, *a, **kw):
+            fetches.append(slot)
+            super().__init__(path, slot, *a, **kw)
+
+    pagelink.FdRequest = CountedRequest
 
     import torch
 

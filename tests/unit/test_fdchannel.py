@@ -9,7 +9,7 @@ import time
 import pytest
 import zmq
 
-from peerd.fdchannel import FDS_PER_MESSAGE, FdChannelServer, fetch_fds
+from peerd.fdchannel import FDS_PER_MESSAGE, FdChannelServer, FdRequest, fetch_fds
 from peerd.fdroom import FdRoom
 from peerd.protocol import ErrorCode, ProtocolError
 
@@ -91,6 +91,37 @@ def test_ranks_sharing_a_chunk_are_sent_its_fd_once(channel, monkeypatch):
     finally:
         os.close(chunk)
         os.close(other)
+
+
+def test_a_request_sent_now_is_answered_meanwhile_and_read_later_or_dropped_unread(channel):
+    """A worker sends its page area's request before opening its chunks and reads the answer after
+    (FdRequest): the daemon answers while the worker waits on the GPU. A request dropped unread (its
+    set failed first) takes its fds with it: nothing stays open here, and the uid's unread replies
+    are not left counting against it (the channel fixture checks the fd room is empty at the end)."""
+    path, answers = channel
+    memory = os.memfd_create("peerd-test")
+    answers[0] = ([b"area", b"alive"], [memory, memory])
+    slot = {"group": "g", "name": "n", "rank": 0}
+    try:
+        open_before = set(os.listdir("/proc/self/fd"))
+        request = FdRequest(path, slot, 10)
+        deadline = time.monotonic() + 10
+        while answers.get("asked") != [0]:  # answered with no one reading yet
+            assert time.monotonic() < deadline, "the channel never read the request"
+            time.sleep(0.01)
+        handles, fds = request.reply()
+        assert handles == [b"area", b"alive"] and len(fds) == 2 and fds[0] == fds[1]
+        assert os.fstat(fds[0]).st_ino == os.fstat(memory).st_ino, "the daemon's memory itself"
+        os.close(fds[0])
+        for _ in range(3):
+            with FdRequest(path, slot, 10):
+                time.sleep(0.05)  # answered, never read
+        time.sleep(0.2)
+        assert set(os.listdir("/proc/self/fd")) == open_before, "no socket or fd of an unread reply is left"
+        _, fds = fetch_fds(path, slot, 10)  # the uid is served as before
+        os.close(fds[0])
+    finally:
+        os.close(memory)
 
 
 def test_memory_from_another_process_than_the_daemon_is_refused(channel):
