@@ -127,12 +127,13 @@ class PeerBuffer:
                                conn.hello["agreement_timeout"], joined["set"])
         try:
             _check_joined(joined, conn.hello["backend"], member.npes)
-            self._link.ask(conn, self._held(), joined.get("page"))  # answered while the chunks open
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             chunks = [(conn.hello["pid"], handle) for handle in joined["handles"]]
             if self._mapper.passes_fds and not all(mappings.mapped(key) for key in chunks):
                 fds = _member_fds(conn, self._held(), joined["handles"])
+            # answered while the chunks open; after the fds above, so a rank leaves one reply unread at a time
+            self._link.ask(conn, self._held(), joined.get("page"))
             for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
                 whole = offset == 0 and joined["sizes"][n] == span
                 pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)
