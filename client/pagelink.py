@@ -11,9 +11,12 @@ base + offset, checks its header, marks it mapped and goes on, with no
 message, mmap or driver call. One watch per daemon run per process reads the
 daemon's alive pipe and, when that run ends, aborts the page of every open
 link of it. Anything that fails on the way (an old daemon that announces no
-instance, a set without a page, a page from another daemon run, no memfd,
-cudaHostRegister refused) costs one WARNING and leaves the rank on the
-daemon's message path, never a crash. Whether the group as a whole takes
+instance, a set without a page, a page from another daemon run, no memfd)
+costs one WARNING and leaves the rank on the daemon's message path, never a
+crash. On CUDA the area is registered with the GPU at the first
+``abort_address`` (peerd_client.hostmap); a registration that fails then
+leaves the votes on the page and the rank's kernels polling no abort word,
+as on the message path, with a WARNING. Whether the group as a whole takes
 the page is read after the commit verdict (Note [Control page layout],
 "The choice"), so every rank takes the same path.
 
@@ -148,6 +151,7 @@ class GroupLink:
         self.page: ControlPage | None = None
         self.mapped = None  # hostmap.MappedPage where the buffer is on a GPU
         self.voter: PageVoter | None = None
+        self.on_gpu = False  # kernels poll ``mapped``, never the host page
         self._watch: _DaemonWatch | None = None
         self._asked: FdRequest | Exception | None = None  # the page area's request, sent by ask()
 
@@ -158,8 +162,11 @@ class GroupLink:
 
     @property
     def abort_source(self):
-        """What all_reduce polls: the GPU mapping, else the page itself, else None."""
-        return self.mapped or self.page
+        """What all_reduce polls: on a GPU the page mapped there (None if its area's registration
+        failed), else the page itself; None without a page."""
+        if self.mapped is not None and not self.mapped.usable(self.label):
+            self.mapped = None
+        return self.mapped if self.on_gpu else self.page
 
     def ask(self, conn, slot: dict, location: list[int] | None) -> None:
         """Send the request for the area of the page at ``location`` now, where this process lacks
@@ -194,6 +201,9 @@ class GroupLink:
                 if held.gpu is None:
                     held.gpu = MappedArea(held.area.address, held.area.size)
                 self.mapped = MappedPage(self.page, held.gpu, device)
+                if not held.gpu.registers_in_capture:  # registered now, never inside a graph capture
+                    held.gpu.base(device)
+                self.on_gpu = True
             self._watch = held.watch
             self._watch.add(self)
             self.page.mark_mapped(self.rank)

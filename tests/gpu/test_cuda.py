@@ -126,3 +126,56 @@ def test_the_backend_alone_across_processes():
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     print(result.stdout)
     assert result.returncode == 0 and "ALL PASS" in result.stdout, result.stdout + result.stderr
+
+
+CAPTURE_SCRIPT = r"""
+import contextlib, ctypes, sys
+import torch
+from cuda.bindings import runtime as cudart
+from peerd.controlpage import OFF_ABORT, AbortCode, new_instance_id, page_bytes
+from peerd.pagearea import Area
+from peerd_client import hostmap
+
+if sys.argv[1] == "global":  # the thread's mode left as the capture's: what relaxed() prevents
+    hostmap._Cuda.relaxed = lambda self: contextlib.nullcontext()
+device = torch.device("cuda", 0)
+torch.cuda.set_device(device)
+x = torch.zeros(4, device=device)
+area = Area.create(page_bytes(2), slots=2)
+page = area.page_at(page_bytes(2), page_bytes(2))  # the second slot: its device address is base + offset
+page.format(2, new_instance_id(), 1)
+mapped = hostmap.MappedPage(page, hostmap.MappedArea(area.address, area.size), device)  # nothing registered yet
+graph = torch.cuda.CUDAGraph()
+try:
+    with torch.cuda.graph(graph):  # capture_error_mode "global", torch's default
+        x.add_(1)
+        address = mapped.abort_address  # the first read, as an engine's captured all-reduce makes it
+        x.add_(1)
+except Exception as err:
+    print("failed", type(err).__name__, err)
+    sys.exit(0)
+graph.replay()
+graph.replay()
+torch.cuda.synchronize()
+assert x.tolist() == [4.0] * 4, x.tolist()
+page.abort(AbortCode.EVICTED, "seen through the device mapping")
+seen = ctypes.c_uint64()
+err, = cudart.cudaMemcpy(ctypes.addressof(seen), address, 8, cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+assert err == cudart.cudaError_t.cudaSuccess, err
+assert seen.value == page.word(OFF_ABORT).value != 0, (seen.value, page.word(OFF_ABORT).value)
+print("captured and registered")
+"""
+
+
+def test_a_page_area_is_registered_at_the_first_abort_address_even_inside_a_graph_capture():
+    """A control page area is registered with the GPU at the first abort_address, not in the PeerBuffer's
+    setup. That first read is often inside a CUDA graph capture in torch's default (global) mode, which
+    refuses a registration and breaks: the calling thread's relaxed mode lets it through, the graph
+    replays, and a device load at the page's address sees the host's abort. Left in global mode it fails."""
+    runs = {mode: subprocess.run([sys.executable, "-c", CAPTURE_SCRIPT, mode], capture_output=True, text=True,
+                                 timeout=120) for mode in ("relaxed", "global")}
+    for done in runs.values():
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert runs["relaxed"].stdout.strip() == "captured and registered", runs["relaxed"].stdout
+    assert runs["global"].stdout.startswith("failed"), "without the relaxed mode the capture must break: " + \
+        runs["global"].stdout
