@@ -29,6 +29,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REA
 RANK = str(Path(__file__).resolve().parents[1] / "abort_rank.py")
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_rank_outlives_its_test():
+    """A test that fails half-way would leave its waiters spinning in a kernel with no deadline and its
+    holder asleep, on the GPU every later test shares: kill whatever of its ranks still runs."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=60)
+
+
 def start(daemon, page: OwnPage | None, group: str, npes: int, *args: str) -> list[subprocess.Popen]:
     """Ranks 0..npes-2 wait in the kernel, rank npes-1 holds back; without ``page``, each
     polls its buffer's own control page (the wired path), which it announces first."""
@@ -42,6 +57,7 @@ def start(daemon, page: OwnPage | None, group: str, npes: int, *args: str) -> li
         )
         for r in range(npes)
     ]
+    STARTED.extend(procs)
     if page is None:
         for p in procs:
             line = p.stdout.readline()
