@@ -1,13 +1,14 @@
 """The group control page: agreement votes and the abort word in one shared page.
 
 The daemon keeps its pages in *areas*: one sealed memfd (no name anyone
-could guess or open; peerd.pagearea) of fixed-size slots per (owner uid, group,
-page size), and places each set's page in a slot of its group's area when
+could guess or open; peerd.pagearea) of fixed-size slots per (owner uid,
+page size), and places each set's page in a slot of its uid's area when
 the set's handles go out. A process maps each area it is given once, for
-its whole life, so only a group's first buffer set costs an fd and a
-mapping (and, on a GPU, a registration); every later one (an engine's
-signal pads, then its data buffers, or a set rebuilt after a failure) is a
-``ControlPage`` view at area base + offset.
+its whole life, so only its first buffer set costs an fd and a mapping
+(and, on a GPU, a registration); every later one, of any group of its
+user (an engine's signal pads, then its data buffers, its other parallel
+groups, or a set rebuilt after a failure) is a ``ControlPage`` view at
+area base + offset.
 On a page, ``PageVoter.agree`` is tp_agree without a message to the daemon,
 and ``ControlPage.abort`` is how the daemon (or a member) fails the whole
 group at once: every waiter wakes, and kernels that poll the abort word
@@ -172,13 +173,14 @@ or a verdict), time them out, abort the group, or (faking ``sleepers``)
 make its peers' votes pay a FUTEX_WAKE each, as a sleeper that died inside
 FUTEX_WAIT does. That is no new power: a member already maps every peer's
 buffer read-write. It maps its whole area, which holds the pages of its
-own group's other sets only (the same group key: their members are its
-group's). It reaches no other group: areas are per (owner uid, group), and
-the fd channel hands an area only to a pid holding a rank of a set placed
-in it. The daemon reads one word of a page, the commit round's verdict,
-when it is about to fail a set still opening (``close_round``): where it
-says AGREED the set goes live instead, which a member could forge only
-for its own group; it writes a few words and trusts nothing else there.
+own user's sets only (of its other groups too, whose buffers share its
+user's arena chunks anyway: peerd.arena). It reaches no other user's
+group: areas are per (owner uid, page size), and the fd channel hands an
+area only to a pid holding a rank of a set placed in it. The daemon reads
+one word of a page, the commit round's verdict, when it is about to fail
+a set still opening (``close_round``): where it says AGREED the set goes
+live instead, which a member could forge only for its own user's sets; it
+writes a few words and trusts nothing else there.
 The area is sealed against resizing (a shrunk memfd would SIGBUS the
 daemon and the peers). Nor does anyone count ranks by the header once the
 page is found: a member checks ``npes`` against its group's then (``hold``),

@@ -1,7 +1,7 @@
 """A control-page area: a sealed memfd of fixed-size page slots, and its mapping.
 
-The daemon makes one per (owner uid, group, page size) and hands its fd to
-the group's members (peerd.pages); a member maps it once for its whole life
+The daemon makes one per (owner uid, page size) and hands its fd to the
+members of the sets placed in it (peerd.pages); a member maps it once for its whole life
 (peerd_client.pagelink) and reads each set's page as a view at area base +
 offset (peerd.controlpage.ControlPage, whose Note says what a page holds).
 Standard library only, as peerd.controlpage.
@@ -20,7 +20,7 @@ from .punch import punch_out
 from .controlpage import MAGIC, OFF_MAGIC, OFF_SLOTS, SLOT_BYTES, VERSION, ControlPage, page_bytes
 
 #: slots per area: one fd and one mapping (and, on a GPU, one registration, which pins the whole area) serve
-#: the first 8 sets of a group alive at once; an area of pages for up to 48 ranks is 32 KiB
+#: the first 8 sets of a uid alive at once; an area of pages for up to 48 ranks is 32 KiB
 AREA_PAGES = 8
 #: /proc shows an area as /memfd:controlpage, apart from the host backend's buffers (/memfd:peerd...)
 MEMFD_NAME = "controlpage"

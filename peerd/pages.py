@@ -5,8 +5,8 @@ is the daemon's bookkeeping around it, kept apart from the rules of a set's
 life, which call it through these hooks:
 
 * ``place(bset)``: the set's handles go out (Rendezvous._open). Its page
-  takes a free slot of its group's area for that page size (a new area where
-  none has room: AREA_PAGES slots each), zeroed and formatted then, so a
+  takes a free slot of its owner uid's area for that page size (a new area
+  where none has room: AREA_PAGES slots each), zeroed and formatted then, so a
   rank that replaces a dead one starts on a fresh page with fresh rounds.
   The answer, ``[area id, offset, generation]``, goes out in the join reply;
   None (pages off, or no memfd) keeps the group on the message path.
@@ -29,14 +29,17 @@ life, which call it through these hooks:
 * ``process_gone(pid)``: a process exited; the slots and areas it kept
   from reuse or from closing may go.
 
-Areas are per (owner uid, group, page size): a process is handed only its
-own group's areas, so it can touch the pages of its group's other sets and
-of no other group's (Note [Control page layout], Trust). An area whose slots are
-all free is closed once its processes all exited; while one lives, the area is
-kept as a spare for the group's next set, which its members then need not
-fetch nor register again, but only SPARE_AREAS_PER_UID of them per uid (the
-oldest spare closes first), so a process cycling through group names cannot
-make the daemon hold an fd and a mapping per group it ever used. A member's
+Areas are per (owner uid, page size), as arena chunks are per uid
+(peerd.arena): a process maps its uid's area once, and every later set of
+that uid, of any group, has its page there, so a new group's set needs no
+fd fetch, mapping or GPU registration. A process is handed only its own
+uid's areas: it can touch the pages of its own user's other groups, whose
+buffers it could reach anyway, and no other user's (Note [Control page
+layout], Trust). An area whose slots are all free is closed once its
+processes all exited; while one lives, the area is kept as a spare for the
+uid's next set, but only SPARE_AREAS_PER_UID of them per uid (the oldest
+spare closes first), so a uid that once held many sets at once does not
+leave the daemon an fd and a mapping for each area they filled. A member's
 mapping keeps an area's memory alive anyway, so nothing is freed under anyone.
 
 ``shutdown()`` aborts every page (SHUTDOWN) and closes the areas. The first
@@ -106,7 +109,7 @@ LEAVE_GRACE_S = 1.0
 @dataclass
 class _Area:
     id: int
-    owner: tuple[int | None, str]  # (owner uid, group): the one group whose sets it holds
+    owner: int | None  # the one uid whose sets it holds
     page_size: int
     area: Area
     free: list[int]  # offsets of free slots, the lowest last (taken first)
@@ -123,6 +126,7 @@ class _Area:
 @dataclass
 class _Entry:
     set_id: int
+    group: str
     area: _Area
     offset: int
     page: ControlPage
@@ -138,7 +142,7 @@ class Pages:
         self.enabled = enabled
         self._fd_room = room or FdRoom()  # an area's memfd takes a place: peerd.fdroom
         self._pages: dict[int, _Entry] = {}
-        self._areas: dict[tuple[tuple[int | None, str], int], list[_Area]] = {}  # (owner, page size) -> open areas
+        self._areas: dict[tuple[int | None, int], list[_Area]] = {}  # (owner uid, page size) -> open areas
         self._area_ids = itertools.count(1)
         self._spares: Index[int | None, int, _Area] = Index()  # uid -> its unused areas still mapped, oldest first
         self._of_pid: Index[int, int, _Area] = Index()  # pid -> the open areas it is a mapper of: a death
@@ -154,7 +158,7 @@ class Pages:
             return None
         size = page_bytes(bset.npes)
         try:
-            area = self._room((bset.owner_uid, bset.group), size)
+            area = self._room(bset.owner_uid, size)
         except (PageError, OSError) as err:
             log.warning("%s gets no control page (%s): its ranks agree through messages", bset.label, err)
             return None
@@ -165,11 +169,11 @@ class Pages:
         for pid in {s.pid for s in bset.slots.values()}:
             area.mappers.add(pid)
             self._of_pid.add(pid, area.id, area)
-        self._pages[bset.id] = _Entry(bset.id, area, offset, page)
+        self._pages[bset.id] = _Entry(bset.id, bset.group, area, offset, page)
         return [area.id, offset, bset.id]
 
-    def _room(self, owner: tuple[int | None, str], size: int) -> _Area:
-        """An area of the pages of ``owner`` (uid, group) of ``size`` bytes with a free slot, made where none has one."""
+    def _room(self, owner: int | None, size: int) -> _Area:
+        """An area of the pages of uid ``owner`` of ``size`` bytes with a free slot, made where none has one."""
         for area in self._areas.get((owner, size), []):
             if area.free:
                 return area
@@ -182,8 +186,7 @@ class Pages:
             raise
         area = _Area(next(self._area_ids), owner, size, made, free=list(range(size * (AREA_PAGES - 1), -1, -size)))
         self._areas.setdefault((owner, size), []).append(area)
-        log.info("control page area %d made for group %s of uid %s: %d pages of %d bytes", area.id, owner[1],
-                 owner[0], AREA_PAGES, size)
+        log.info("control page area %d made for uid %s: %d pages of %d bytes", area.id, owner, AREA_PAGES, size)
         return area
 
     @staticmethod
@@ -239,7 +242,7 @@ class Pages:
         """A set of the group failed: every page of the group aborts with its verdict."""
         reason = bset.failure.message if bset.failure else f"{bset.label} failed"
         for set_id, entry in list(self._pages.items()):
-            if entry.area.owner == (bset.owner_uid, bset.group):
+            if (entry.area.owner, entry.group) == (bset.owner_uid, bset.group):
                 self._abort(set_id, AbortCode.SET_FAILED, reason)
 
     def evicted(self, bset: BufferSet) -> None:
@@ -286,7 +289,7 @@ class Pages:
         if not area.mappers:
             self._close(area, "every page free, every process gone")
             return
-        spares = self._spares.setdefault(area.owner[0], {})
+        spares = self._spares.setdefault(area.owner, {})
         spares.setdefault(area.id, area)
         while len(spares) > SPARE_AREAS_PER_UID:
             self._close(next(iter(spares.values())), f"the oldest of more than {SPARE_AREAS_PER_UID} unused areas "
@@ -297,14 +300,14 @@ class Pages:
         areas.remove(area)
         if not areas:
             del self._areas[(area.owner, area.page_size)]
-        self._spares.discard(area.owner[0], area.id)
+        self._spares.discard(area.owner, area.id)
         for pid in area.mappers:
             self._of_pid.discard(pid, area.id)
         area.area.give_back()  # a member that kept the area mapped (or its fd) would keep the daemon's memory
         area.area.close()
         self._fd_room.give()
         area.closed = True
-        log.info("control page area %d of group %s of uid %s closed: %s", area.id, area.owner[1], area.owner[0], why)
+        log.info("control page area %d of uid %s closed: %s", area.id, area.owner, why)
 
     def shutdown(self) -> None:
         """Abort every page and close every area; members see the alive pipe close too."""

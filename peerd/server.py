@@ -98,7 +98,7 @@ class Daemon:
         self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
         self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
         backend.share_fd_room(self._fd_room)
-        self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-group areas
+        self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-uid areas
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages, ready=self._ready,

@@ -11,14 +11,14 @@ way), then keeps it up until it is killed:
   hello    one connection sending `hello` in a tight loop, reading nothing
   sets     holds --count one-rank buffer sets of one group, key and names of the longest
            length allowed (protocol.MAX_KEY_CHARS), through one pipelined connection
-  groups   holds --count one-rank buffer sets, each of a group of its own (a control page
-           area each), through one pipelined connection; READY says how many got a page
+  groups   holds --count one-rank buffer sets, each of a group of its own (their pages fill the
+           uid's control page areas), through one pipelined connection; READY says how many got a page
   chunks   holds one-rank --nbytes (4 KiB) sets of one group, one after another, until the daemon
            refuses one or --count are held; READY says how many it holds and the refusal
   punch    the same with --nbytes sets, fetching each set's memfd over the fd channel and
            punching its pages out (the memory then reads as available again) before the next
-  keep     --count one-rank sets of --nbytes, each of its own group: fetches each set's memfd and its
-           control page area over the fd channel as its member may, keeps both fds and releases the set;
+  keep     --count one-rank sets of --nbytes, each of its own group: fetches each set's memfd and the
+           uid's control page area over the fd channel as its member may, keeps both fds and releases the set;
            READY says how many sets it had and the bytes each kept fd still held once the daemon closed them
   orphans  --count connections, each opened by a process that forks a child (which inherits it and
            never speaks on it, as a data loader) and exits; the children live as long as this flooder,

@@ -26,7 +26,7 @@ import pytest
 
 from peerd.connections import FDS_RESERVED, MONITOR_LAG
 from peerd.fdroom import FDS_LEFT_PER_CONNECTION
-from peerd.pages import SPARE_AREAS_PER_UID
+from peerd.pagearea import AREA_PAGES
 from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
@@ -248,14 +248,16 @@ def test_control_page_areas_of_many_groups_never_take_the_fds_the_connections_ne
     """Under NOFILE 2048, one user holding 1500 one-rank sets, each of its own group, made the daemon open a
     page area (an fd) for each until libzmq's next accept met EMFILE and aborted it. The areas now take
     places in the room the connection caps leave, half of it at most (the rest is the pidfds'): past that,
-    sets go on without a page, on the message path, and other users' processes still join."""
+    sets go on without a page, on the message path, and other users' processes still join. An area holds
+    AREA_PAGES sets of its uid, so the room is made small enough here for 1500 sets to fill its half."""
     d = start_daemon(procs, socket_dir, "--max-connections", "64", "--max-connections-per-uid", "32",
-                     "--max-groups-per-uid", "2000", nofile=2048)
+                     "--max-groups-per-uid", "2000", nofile=1536)
     room = json.loads(d.cli("status", "--json").stdout)["fd_room"]
-    assert room == {"size": 2048 - FDS_RESERVED - MONITOR_LAG - FDS_LEFT_PER_CONNECTION * 64, "used": 0}, room
+    assert room == {"size": 1536 - FDS_RESERVED - MONITOR_LAG - FDS_LEFT_PER_CONNECTION * 64, "used": 0}, room
+    assert (room["size"] // 2) * AREA_PAGES < 1500, "the sets outnumber the pages the areas' share holds"
     holder, held = flood(procs, d, "groups", users[FLOODER], 1500)
-    # an area a group: half the room, less the places the holder's own pidfd and its one chunk took first
-    assert held == {"sets": 1500, "with_page": room["size"] // 2 - 2}, held
+    # full areas: half the room, less the places the holder's own pidfd and its one chunk took first
+    assert held == {"sets": 1500, "with_page": (room["size"] // 2 - 2) * AREA_PAGES}, held
     status = assert_served(d, users, "beside-groups")
     assert status["fd_room"]["used"] >= room["size"] // 2, status["fd_room"]
     idle, opened = flood(procs, d, "idle", users[STRANGER], 200)  # connections past the caps: shut down, no abort
@@ -326,17 +328,18 @@ def test_ls_and_evict_page_through_thousands_of_sets_with_the_longest_keys(procs
 
 
 def test_a_member_that_keeps_its_memfds_after_release_holds_none_of_the_daemons_memory(procs, socket_dir, users):
-    """A member may keep the memfds it was handed (a chunk's, its group's control page area) after its set
+    """A member may keep the memfds it was handed (a chunk's, its uid's control page area) after its set
     is released: the daemon's close dropped only its own reference, so the pages, charged to the daemon,
     stayed with that process past every cap. A user cycling 64 MiB sets in a 1 GiB cgroup had the daemon
-    refuse everyone once 900 MiB were kept. A chunk or an area the daemon closes is punched out first."""
+    refuse everyone once 900 MiB were kept. A chunk the daemon closes is punched out first (an area too:
+    tests/unit/test_pages.py)."""
     with memory_cgroup(1 << 30) as cgroup:
         d = start_daemon(procs, socket_dir, "--arena-idle-s", "0", cgroup=cgroup)
-        count = SPARE_AREAS_PER_UID + 8  # past the spares a uid keeps, the oldest areas close
+        count = 24
         keeper, held = flood(procs, d, "keep", users[FLOODER], count, "--nbytes", str(64 * MiB))
         assert (held["sets"], held["refusal"]) == (count, None), held
         assert held["chunks"] == [0] * count, held  # every chunk closed: its pages went with it
-        assert held["areas"][:8] == [0] * 8 and all(held["areas"][8:]), held  # the spares stay as they are
+        assert all(held["areas"]), held  # one area, the uid's, every set's page in it: open as its spare
         served = run_ranks(d, "exchange", 2, "--group", "beside-keeper", "--nbytes", str(256 * MiB),
                            "--as-user", users[BYSTANDER])
         assert all(r["ok"] for r in served), served

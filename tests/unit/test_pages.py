@@ -77,16 +77,28 @@ def test_a_set_gets_a_page_of_its_groups_area_when_its_handles_go_out(reg, pages
     assert view.unmapped() == [0, 1] and view.aborted() is None, "a fresh page"
 
 
-def test_sets_of_one_group_share_an_area_until_it_is_full_and_other_groups_get_their_own(reg, pages):
-    locations = [opened(reg, 1, pids=(100 + k,), name=f"s{k}")[1] for k in range(AREA_PAGES + 1)]
-    assert len({loc[0] for loc in locations[:AREA_PAGES]}) == 1 and locations[-1][0] != locations[0][0]
+def test_sets_of_one_uid_share_an_area_whatever_their_group_until_it_is_full_and_other_uids_get_their_own(reg, pages):
+    locations = [opened(reg, 1, pids=(100 + k,), name="s", group=f"g{k}")[1] for k in range(AREA_PAGES + 1)]
+    assert len({loc[0] for loc in locations[:AREA_PAGES]}) == 1, "one uid's groups: one area, nothing to fetch again"
+    assert locations[-1][0] != locations[0][0], "a full area: the next set gets a new one"
     assert len({loc[1] for loc in locations[:AREA_PAGES]}) == AREA_PAGES, "every page its own slot"
     wide = opened(reg, 64, pids=tuple(range(500, 564)), name="wide")[1]  # 64 ranks: two 4 KiB pages
     assert wide[0] not in {loc[0] for loc in locations}, "a page size of its own"
-    theirs = opened(reg, 1, pids=(300,), name="s0", uid=1000)[1]
-    assert theirs[0] not in {loc[0] for loc in locations}, "another uid never shares an area"
-    other = opened(reg, 1, pids=(301,), name="s0", group="h")[1]
-    assert other[0] not in {loc[0] for loc in locations + [theirs]}, "nor another group of the same uid"
+    theirs = opened(reg, 1, pids=(300,), name="s", group="g0", uid=1000)[1]
+    assert theirs[0] not in {loc[0] for loc in locations + [wide]}, "another uid never shares an area"
+
+
+def test_a_failed_set_aborts_the_pages_of_its_own_group_only_not_its_uids_other_groups_in_the_same_area(reg, pages):
+    mine, here = opened(reg, 2, group="g")
+    neighbour, there = opened(reg, 2, pids=(200, 201), group="h")
+    assert here[0] == there[0], "one uid: one area"
+    failing = {"group": "g", "name": "next", "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    reg.join(("c", 0), who(100, None), {**failing, "rank": 0}, 0.0)
+    reg.join(("c", 1), who(101, None), {**failing, "rank": 1}, 0.0)
+    reg.commit(("v", 0), who(100, None), {"group": "g", "name": "next", "rank": 0, "ok": False, "reason": "no",
+                                          "timeout": None, "page": False}, 0.0)
+    assert member_view(pages, mine, here).aborted().code == AbortCode.SET_FAILED, "a set of its group failed"
+    assert member_view(pages, neighbour, there).aborted() is None, "another group of the uid is untouched"
 
 
 def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages):
@@ -312,25 +324,47 @@ def test_an_area_is_closed_once_every_slot_is_free_and_every_process_it_was_hand
     assert pages.areas == 0 and pages._of_pid == {}
 
 
-def test_a_process_cycling_through_group_names_keeps_only_a_few_unused_areas_open(reg, pages, caplog):
-    """Each group's area stays open for its next set while the process lives, but per uid only
-    SPARE_AREAS_PER_UID unused ones: the oldest closes, so no fd and mapping per group ever used."""
-    caplog.set_level(logging.INFO, logger="peerd.pages")
-    areas = {}
+def test_an_area_the_daemon_closes_is_punched_out_first_so_a_kept_fd_holds_none_of_its_memory(reg, pages):
+    bset, _ = opened(reg)
+    kept = os.dup(pages.handout(bset)[1][0])  # as a member may keep the fd it was handed
+    try:
+        assert os.fstat(kept).st_blocks > 0, "the daemon formatted a page in it"
+        release(reg, 0)
+        release(reg, 1)
+        pages.process_gone(100)
+        pages.process_gone(101)
+        assert pages.areas == 0
+        assert os.fstat(kept).st_blocks == 0, "the closed area's pages went with it"
+    finally:
+        os.close(kept)
+
+
+def test_a_process_cycling_through_group_names_is_served_from_one_area(reg, pages):
+    """Every group of a uid has its pages in the uid's area: a process that makes set after set of new
+    groups maps one area, and the daemon holds one."""
+    areas = set()
     for k in range(SPARE_AREAS_PER_UID + 5):
-        bset, location = opened(reg, 1, pids=(100,), group=f"g{k}", uid=1000)
-        areas[k] = location[0]
+        areas.add(opened(reg, 1, pids=(100,), group=f"g{k}", uid=1000)[1][0])
         reg.release(("r", 0), who(100, 1000), {"group": f"g{k}", "name": "n", "rank": 0}, 0.0)
+    assert len(areas) == 1 and pages.areas == 1
+
+
+def test_a_uid_that_filled_many_areas_keeps_only_a_few_unused_ones_open(reg, pages, caplog):
+    """An area stays open while a process it was handed lives, for the uid's next sets, but per uid only
+    SPARE_AREAS_PER_UID unused ones: the oldest closes, so a uid that once held many sets at once does
+    not leave the daemon an fd and a mapping per area it filled."""
+    caplog.set_level(logging.INFO, logger="peerd.pages")
+    filled = SPARE_AREAS_PER_UID + 2
+    names = [f"s{k}" for k in range(filled * AREA_PAGES)]
+    areas = [opened(reg, 1, pids=(100,), name=name, uid=1000)[1][0] for name in names]
+    assert len(set(areas)) == filled and pages.areas == filled
+    for name in names:
+        reg.release(("r", 0), who(100, 1000), {"group": "g", "name": name, "rank": 0}, 0.0)
     assert pages.areas == SPARE_AREAS_PER_UID
     assert "the oldest of more than" in caplog.text
-    newest, oldest = SPARE_AREAS_PER_UID + 4, 0
-    assert opened(reg, 1, pids=(100,), group=f"g{newest}", uid=1000)[1][0] == areas[newest], \
-        "a recent group's next set reuses the area its process maps"
-    assert opened(reg, 1, pids=(100,), group=f"g{oldest}", uid=1000)[1][0] not in areas.values(), \
-        "the oldest group's area was closed: its next set gets a new one"
-    for k in (newest, oldest):
-        reg.release(("r", 0), who(100, 1000), {"group": f"g{k}", "name": "n", "rank": 0}, 0.0)
-    assert pages.areas == SPARE_AREAS_PER_UID
+    assert opened(reg, 1, pids=(100,), name="again", uid=1000)[1][0] in areas[-SPARE_AREAS_PER_UID * AREA_PAGES:], \
+        "the uid's next set takes a spare its process maps"
+    reg.release(("r", 0), who(100, 1000), {"group": "g", "name": "again", "rank": 0}, 0.0)
     opened(reg, 1, pids=(200,), group="other", uid=2000)
     reg.release(("r", 0), who(200, 2000), {"group": "other", "name": "n", "rank": 0}, 0.0)
     assert pages.areas == SPARE_AREAS_PER_UID + 1, "another uid's spare is not counted against this one's"
@@ -338,15 +372,15 @@ def test_a_process_cycling_through_group_names_keeps_only_a_few_unused_areas_ope
     assert pages.areas == SPARE_AREAS_PER_UID
 
 
-def test_areas_fill_at_most_their_share_of_the_fd_room_and_a_group_past_it_agrees_by_messages(mem, caplog):
+def test_areas_fill_at_most_their_share_of_the_fd_room_and_a_set_past_it_agrees_by_messages(mem, caplog):
     room = FdRoom(4)
     pages = Pages(room=room)
     reg = Registry(mem.allocate, mem.free, rendezvous_timeout=10, agreement_timeout=10, pages=pages)
     try:
-        placed = [opened(reg, 1, pids=(100,), group=f"g{k}")[1] for k in range(3)]
+        placed = [opened(reg, 1, pids=(100 + k,), uid=1000 + k)[1] for k in range(3)]  # an area per uid
         assert [p is not None for p in placed] == [True, True, False] and room.used == 2, "half the room"
         assert "file descriptors its limit leaves beside its connections" in caplog.text
-        reg.release(("r", 0), who(100), {"group": "g0", "name": "n", "rank": 0}, 0.0)
+        reg.release(("r", 0), who(100, 1000), {"group": "g", "name": "n", "rank": 0}, 0.0)
         pages.process_gone(100)
         assert room.used == 1, "a closed area gives its place back"
     finally:
