@@ -261,6 +261,11 @@ class Memory(ChunkMemory):
 
 # ---------------------------------------------------------------- the worker's half
 
+#: ordinal -> UUID, for this process's life (its visible devices are fixed once CUDA starts): every
+#: PeerBuffer names its device in its join, and cudaGetDeviceProperties, the one call that tells the
+#: UUID, reads every property of the device
+_identities: dict[int, str] = {}
+
 
 class Mapper(MapperBase):
     """The worker's half: opens handles in the calling thread's current device context.
@@ -276,7 +281,10 @@ class Mapper(MapperBase):
         cudart = self._rt
         if index is None:
             index = _check(cudart, cudart.cudaGetDevice(), "cudaGetDevice")
-        return _uuid(_properties(cudart, index))
+        known = _identities.get(index)
+        if known is None:
+            known = _identities[index] = _uuid(_properties(cudart, index))
+        return known
 
     def open(self, handle: bytes, size: int, fd: int | None = None) -> int:
         if len(handle) != HANDLE_BYTES:
