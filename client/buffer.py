@@ -11,11 +11,12 @@ from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
 from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
-from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection, undelivered
+from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
+from .teardown import Teardown, finish_waiting
 from .views import backend_for, byte_view, require_torch, worker_device
 
 log = logging.getLogger("peerd_client")
@@ -71,6 +72,7 @@ class PeerBuffer:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         require_torch()  # before any call to the daemon: without torch, nothing is asked of it
+        finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
         self._pid = os.getpid()
         self._handles: list[bytes] = []
         self._chunks: list[ChunkKey] = []
@@ -320,6 +322,8 @@ class PeerBuffer:
         rendezvous may wait a minute), that thread sends the release at once
         and close() does not wait behind it.
         """
+        if os.getpid() == self._pid:
+            finish_waiting()
         self._close(wait=True)
 
     def _close(self, wait: bool) -> None:
@@ -334,34 +338,12 @@ class PeerBuffer:
                 close_link(self.group_key, link)
             except Exception as err:
                 log.warning("closing the control page of group=%s failed: %s", self.group_key, err)
-        for key in chunks:
-            try:
-                mappings.close(key)
-            except Exception as err:
-                log.warning("unmapping a peer buffer of group=%s failed: %s", self.group_key, err)
-        if self._released:
-            return
-        if self.device.type == "cuda":  # no kernel of this rank may write into a range the daemon zeroes for reuse
-            try:
-                require_torch().cuda.synchronize(self.device)
-            except Exception as err:  # a broken context must not keep the set held
-                log.warning("synchronising %s before releasing group=%s failed: %s", self.device, self.group_key, err)
-        self._released = True  # only now: a close interrupted before this point is done again by the next one
-        slot = self._held()
-        try:
-            if wait:
-                self._conn.call_unless_busy("release", slot)
-            else:
-                self._conn.send_later("release", slot)
-        except DaemonUnavailable as err:
-            log.warning("release of group=%s name=%s rank %d waits for the daemon: %s",
-                        self.group_key, self.name, self.rank, err)
-            undelivered.add("release", slot)
-        except MonoUnsupported as err:
-            log.warning("release of group=%s name=%s rank %d: %s", self.group_key, self.name, self.rank, err)
-        except BaseException:  # interrupted (Ctrl-C) before the answer: maybe sent, so sent again (a second
-            self._conn.send_later("release", slot)  # release of the set is answered NOT_FOUND, and skipped)
-            raise
+        if self._released and not chunks:
+            return  # nothing held, nothing mapped (a construction that failed early, or a second close)
+        slot = None if self._released else self._held()
+        self._released = True  # what is still owed is the teardown's: done once, by it
+        label = f"group={self.group_key} name={self.name} rank {self.rank}"
+        Teardown(self.device, chunks, self._conn, slot, label).run(wait)
 
     def __enter__(self) -> "PeerBuffer":
         return self

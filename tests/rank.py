@@ -281,6 +281,41 @@ def queued(args) -> dict:
     return out
 
 
+def captured_close(args) -> dict:
+    """Drop two buffers inside a CUDA graph capture in torch's default (global) mode, one of them a
+    whole chunk of its own (unmapped at close): their finalizers run there and must neither break the
+    capture nor release the sets yet; this rank's next PeerBuffer, outside the capture, releases them."""
+    import gc
+
+    import torch
+
+    from peerd_client import PeerBuffer, tp_agree
+    from peerd_client.connection import connection
+
+    def held(name: str) -> list[int]:
+        listing = connection().call("ls", {})["groups"]
+        return next((g["held"] for g in listing if g["group"] == args.group and g["name"] == name), [])
+
+    small = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="small")
+    whole = PeerBuffer(args.big, args.group, args.rank, args.npes, name="whole")
+    small.cycle, whole.cycle = small, whole  # only the cycle collector frees them: inside the capture below
+    x = torch.ones(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+        del small, whole
+        gc.collect()
+        z = y + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    out = {"replayed": z[0].item(), "held_after_capture": [held("small"), held("whole")]}
+    assert tp_agree(True, args.group, args.rank, args.npes)  # every rank's capture is over
+    later = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="later")
+    out["held_after_next_buffer"] = [held("small"), held("whole")]
+    later.close()
+    return out
+
+
 def sealed(args) -> dict:
     """Hold a buffer, fetch the set's fds again as its member, and try to resize or reseal a peer's."""
     import errno
@@ -753,6 +788,7 @@ SCENARIOS = {
     "stale_release": stale_release,
     "cache": cache,
     "queued": queued,
+    "captured_close": captured_close,
     "call": call,
     "sealed": sealed,
     "chaos": chaos,
@@ -800,6 +836,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--npes", type=int, required=True)
     parser.add_argument("--nbytes", type=int, default=1 << 16)
+    parser.add_argument("--big", type=int, default=96 << 20, help="bytes of a buffer that is a whole chunk")
     parser.add_argument("--group", default="test-group")
     parser.add_argument("--name", default="default")
     parser.add_argument("--votes", default="1")

@@ -1,0 +1,106 @@
+"""A PeerBuffer's teardown: wait for this rank's kernels, unmap, release; never inside a CUDA graph capture.
+
+Releasing a CUDA buffer first synchronizes its device (no kernel of this
+rank may write into a range the daemon zeroes for reuse), and a buffer that
+is its whole chunk is unmapped: calls that a graph capture in progress on
+the calling thread forbids, and that break the capture. A garbage collector
+runs a PeerBuffer's finalizer wherever it runs, inside an engine's capture
+of its all-reduce too. So a teardown that finds its thread capturing waits,
+the set still held, and is done by this process's next PeerBuffer or
+``close()`` outside a capture, or by its exit, after which the daemon frees
+what the dead rank held. The synchronize runs in the thread's relaxed
+capture mode, so a capture that another thread runs meanwhile in torch's
+default (global) mode neither fails it nor breaks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass
+
+from .connection import Connection, undelivered
+from .errors import DaemonUnavailable, MonoUnsupported
+from .mappings import ChunkKey, mappings
+from .views import require_torch
+
+log = logging.getLogger("peerd_client")
+
+
+@dataclass
+class Teardown:
+    """What a closed PeerBuffer still owes: its chunks unmapped (where whole), and its set released."""
+
+    device: object  # torch.device
+    chunks: list[ChunkKey]
+    conn: Connection
+    slot: dict | None  # the release's body; None: the set was released already, or never joined
+    label: str
+
+    def run(self, wait: bool) -> None:
+        """Now, unless this thread is inside a CUDA graph capture: then at the next safe point."""
+        if self.device.type == "cuda" and require_torch().cuda.is_current_stream_capturing():
+            log.info("%s: closed inside a CUDA graph capture: its release waits for this process's next "
+                     "PeerBuffer or close() outside a capture (or its exit)", self.label)
+            _waiting.append(self)
+            return
+        try:
+            self._synchronize()
+        except BaseException:  # interrupted (Ctrl-C): the next safe point does it again
+            _waiting.append(self)
+            raise
+        for key in self.chunks:
+            try:
+                mappings.close(key)
+            except Exception as err:
+                log.warning("%s: unmapping a peer buffer failed: %s", self.label, err)
+        if self.slot is not None:
+            self._release(wait)
+
+    def _synchronize(self) -> None:
+        if self.slot is None or self.device.type != "cuda":
+            return
+        try:
+            with _relaxed():
+                require_torch().cuda.synchronize(self.device)
+        except Exception as err:  # a broken context must not keep the set held
+            log.warning("%s: synchronising %s before the release failed: %s", self.label, self.device, err)
+
+    def _release(self, wait: bool) -> None:
+        slot = self.slot
+        try:
+            if wait:
+                self.conn.call_unless_busy("release", slot)
+            else:
+                self.conn.send_later("release", slot)
+        except DaemonUnavailable as err:
+            log.warning("%s: the release waits for the daemon: %s", self.label, err)
+            undelivered.add("release", slot)
+        except MonoUnsupported as err:
+            log.warning("%s: release: %s", self.label, err)
+        except BaseException:  # interrupted (Ctrl-C) before the answer: maybe sent, so sent again (a second
+            self.conn.send_later("release", slot)  # release of the set is answered NOT_FOUND, and skipped)
+            raise
+
+
+#: teardowns that met a capture on their thread, oldest first; a deque: a finalizer may add to it anywhere
+_waiting: collections.deque[Teardown] = collections.deque()
+os.register_at_fork(after_in_child=_waiting.clear)  # a forked child holds none of its parent's ranks
+
+
+def finish_waiting() -> None:
+    """Do the teardowns that waited for a safe point: called outside any capture (each checks again)."""
+    for _ in range(len(_waiting)):
+        try:
+            teardown = _waiting.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        teardown.run(wait=True)
+
+
+def _relaxed():
+    """The thread's relaxed capture mode (CUDA; a no-op elsewhere)."""
+    from .hostmap import runtime
+
+    return runtime().relaxed()
