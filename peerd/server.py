@@ -34,6 +34,7 @@ from .health import StuckSets
 from .outbox import Outbox, Send
 from .pages import Pages
 from .registry import Registry
+from .reloader import Reloader
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
 from .metrics import Metrics
@@ -122,6 +123,7 @@ class Daemon:
         self._tallies = (self._dropped, self._malformed)
         self._stuck = StuckSets()  # the stuck sets status reports, found by one walk a second at most
         self._handlers = {name: self._handler(op) for name, op in OPS.items()}
+        self._reloader = Reloader(self._read_settings, self._wake_loop)  # SIGHUP's reads, off the loop
 
     # ------------------------------------------------------------ lifecycle
 
@@ -199,36 +201,46 @@ class Daemon:
         return out
 
     def _reload(self) -> None:
-        """SIGHUP: read the settings again; apply the allowlist, log level, limits and timeouts.
-
-        The socket, its group and mode, the backend and the metrics port stay
-        as they are until a restart (the log says which changed).
-        """
+        """SIGHUP: read the settings again, on a thread (peerd.reloader); ``_apply_reload`` takes them."""
         if self._loader is None:
             log.warning("SIGHUP ignored: this daemon was not started with reloadable settings")
             return
-        self._notifier.reloading()
-        try:
-            fresh, _ = self._loader.load()
-            allowlist = Allowlist.build(
-                fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid
-            )
-        except Exception as err:  # a bad file must not take a serving daemon down
-            log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", err)
+        if self._reloader.request():
+            self._notifier.reloading()
+
+    def _read_settings(self) -> tuple[Settings, Allowlist]:
+        """The reload thread's work: the file read, and its group names looked up."""
+        fresh, _ = self._loader.load()
+        allowlist = Allowlist.build(fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid)
+        return fresh, allowlist
+
+    def _apply_reload(self, read: tuple[Settings, Allowlist] | None, error: Exception | None) -> None:
+        """On the loop: apply the allowlist, log level, limits and timeouts a reload read.
+
+        The socket, its group and mode, the backend and the metrics port stay
+        as they are until a restart (the log says which changed). A bad file
+        changes nothing: a serving daemon keeps what it runs with.
+        """
+        if error is not None:
+            log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", error)
+        else:
+            fresh, self.allowlist = read
+            logging.getLogger().setLevel(fresh.log_level.upper())
+            self.registry.configure(fresh.limits, fresh.rendezvous_timeout, fresh.agreement_timeout)
+            ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
+            self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
+            self._guard.limits = self.settings.connection_limits
+            self._watcher.max_per_uid = self.settings.max_processes_per_uid
+            self._fd_room.size = room_within(self._fd_limit, self.settings.max_connections)
+            self._refused.clear()
+            log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
+                        f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
+        if not self._reloader.busy:  # systemd hears READY=1 once the last SIGHUP's read is applied
             self._notifier.reloaded(self._summary())
-            return
-        self.allowlist = allowlist
-        logging.getLogger().setLevel(fresh.log_level.upper())
-        self.registry.configure(fresh.limits, fresh.rendezvous_timeout, fresh.agreement_timeout)
-        ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
-        self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
-        self._guard.limits = self.settings.connection_limits
-        self._watcher.max_per_uid = self.settings.max_processes_per_uid
-        self._fd_room.size = room_within(self._fd_limit, self.settings.max_connections)
-        self._refused.clear()
-        log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
-                    f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
-        self._notifier.reloaded(self._summary())
+
+    def _wake_loop(self) -> None:
+        with contextlib.suppress(OSError):  # full, or closed at shutdown: the loop wakes or is gone anyway
+            self._wake_w.send(b"r")
 
     def _summary(self) -> str:
         sets, held = self.registry.set_count(), self.registry.ranks_holding()
@@ -286,6 +298,8 @@ class Daemon:
         if self._wake_r.fileno() in events:  # zmq reports plain sockets by fd
             self._wake_r.recv(4096)
             out += self._handle_signals(now)
+        for read, error in self._reloader.finished():
+            self._apply_reload(read, error)
         if self._router in events:
             self._read_router()
         readable = [fd for fd in events if isinstance(fd, int) and fd in self._watcher.fds]

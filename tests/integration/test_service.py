@@ -193,6 +193,62 @@ def test_the_drain_ends_after_the_grace_period(socket_dir):
     assert not memfd_holders(held), "the memory is gone once the daemon and its last holder are"
 
 
+SLOW_NSS = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <grp.h>
+#include <string.h>
+#include <unistd.h>
+/* getgrnam_r("slow:NAME") answers NAME's entry 4 s later: a directory server slow to answer */
+int getgrnam_r(const char *name, struct group *g, char *buf, size_t len, struct group **out) {
+    int (*real)(const char *, struct group *, char *, size_t, struct group **) =
+        (int (*)(const char *, struct group *, char *, size_t, struct group **))dlsym(RTLD_NEXT, "getgrnam_r");
+    if (strncmp(name, "slow:", 5) == 0) {
+        sleep(4);
+        name += 5;
+    }
+    return real(name, g, buf, len, out);
+}
+"""
+
+
+def test_a_reload_waiting_for_a_slow_group_lookup_keeps_the_daemon_answering(socket_dir):
+    """SIGHUP looks the allowed groups up through NSS; a directory server that takes seconds must not
+    hold the daemon's requests (and systemd's watchdog pings) behind it: a real getgrnam_r, slowed
+    by a preloaded library, while this test asks for status."""
+    import grp
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the slow NSS library")
+    shim = Path(socket_dir) / "slownss.so"
+    source = Path(socket_dir) / "slownss.c"
+    source.write_text(SLOW_NSS)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True)
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text('log_level = "info"\n')
+    d = daemon_in(socket_dir, "--config", str(config), LD_PRELOAD=str(shim))
+    conn = Connection(d.socket)
+    try:
+        config.write_text(f'allow_gid = ["slow:{grp.getgrgid(0).gr_name}"]\n')
+        d.proc.send_signal(signal.SIGHUP)
+        asked = time.monotonic()
+        waits = []
+        while "SIGHUP: reloaded" not in d.logs():
+            assert time.monotonic() - asked < 30, "the reload never finished: " + d.logs()
+            started = time.monotonic()
+            status = conn.call("status", {}, timeout=10)
+            waits.append(time.monotonic() - started)
+            assert waits[-1] < 1.0, f"a status waited {waits[-1]:.2f}s behind the reload"
+            assert 0 not in status["allowed"]["gids"], "not applied before the lookup answered"
+            time.sleep(0.05)
+        assert time.monotonic() - asked >= 3.5 and len(waits) >= 10, "the lookup must have been slow: " + str(waits)
+        assert 0 in conn.call("status", {})["allowed"]["gids"], "applied once the lookup answered"
+    finally:
+        conn.close()
+        assert d.stop() == 0, d.logs()
+
+
 def test_sighup_rereads_the_allowlist_and_the_log_level(socket_dir):
     config = Path(socket_dir) / "peerd.toml"
     config.write_text('log_level = "info"\n')
