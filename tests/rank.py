@@ -497,9 +497,14 @@ def interruptible(args) -> dict:
     """Connect and print READY; join after a line on stdin. Ctrl-C (SIGINT from the test) while it waits is
     caught, as an interactive session would: print OUTCOME, then after another line join again and print
     OUTCOME, and close after a third."""
+    import signal
+
     from peerd_client import MonoUnsupported, PeerBuffer
     from peerd_client.connection import connection
 
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where the test runner was started in the
+    # background by a shell without job control (its children inherit SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     connection()
     print("READY", flush=True)
     outcomes, buf = [], None
