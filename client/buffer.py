@@ -326,7 +326,7 @@ class PeerBuffer:
             finish_waiting()
         self._close(wait=True)
 
-    def _close(self, wait: bool) -> None:
+    def _close(self, wait: bool, collected: bool = False) -> None:
         if os.getpid() != self._pid:
             return  # a forked child holds nothing of its parent's
         self._bytes = self._addresses = self._addresses_copied = None
@@ -343,7 +343,7 @@ class PeerBuffer:
         slot = None if self._released else self._held()
         self._released = True  # what is still owed is the teardown's: done once, by it
         label = f"group={self.group_key} name={self.name} rank {self.rank}"
-        Teardown(self.device, chunks, self._conn, slot, label).run(wait)
+        Teardown(self.device, chunks, self._conn, slot, label).run(wait, collected)
 
     def __enter__(self) -> "PeerBuffer":
         return self
@@ -353,7 +353,7 @@ class PeerBuffer:
 
     def __del__(self) -> None:
         try:
-            self._close(wait=False)  # never block inside a garbage-collection pass
+            self._close(wait=False, collected=True)  # never block, nor synchronize a GPU, inside a collection
         except Exception:  # interpreter shutdown: nothing left to report to
             pass
 

@@ -98,23 +98,12 @@ class _Hip:
         return int(self._check(self.hip.rt.hipHostGetDevicePointer(address, 0), "hipHostGetDevicePointer"))
 
 
-_runtime = None
-
-
-def runtime() -> _Cuda | _Hip:
-    """This process's GPU runtime calls (ROCm's where torch was built for it), made once."""
-    global _runtime
-    if _runtime is None:
-        _runtime = _Hip() if torch.version.hip else _Cuda()
-    return _runtime
-
-
 class MappedArea:
     """The area at host ``address`` (``size`` bytes), registered for the GPUs at its first ``base``."""
 
     def __init__(self, address: int, size: int) -> None:
         self.address, self.size = address, size
-        self._runtime = runtime()
+        self._runtime = _Hip() if torch.version.hip else _Cuda()
         self.registers_in_capture = self._runtime.registers_in_capture
         self._lock = threading.Lock()  # one thread registers; the others wait for its base
         self._registered = False

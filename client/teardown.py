@@ -1,16 +1,21 @@
-"""A PeerBuffer's teardown: wait for this rank's kernels, unmap, release; never inside a CUDA graph capture.
+"""A PeerBuffer's teardown: wait for this rank's kernels, unmap, release; never where it breaks a graph capture.
 
 Releasing a CUDA buffer first synchronizes its device (no kernel of this
 rank may write into a range the daemon zeroes for reuse), and a buffer that
-is its whole chunk is unmapped: calls that a graph capture in progress on
-the calling thread forbids, and that break the capture. A garbage collector
-runs a PeerBuffer's finalizer wherever it runs, inside an engine's capture
-of its all-reduce too. So a teardown that finds its thread capturing waits,
-the set still held, and is done by this process's next PeerBuffer or
-``close()`` outside a capture, or by its exit, after which the daemon frees
-what the dead rank held. The synchronize runs in the thread's relaxed
-capture mode, so a capture that another thread runs meanwhile in torch's
-default (global) mode neither fails it nor breaks.
+is its whole chunk is unmapped. A device synchronize while any thread of the
+process captures a CUDA graph fails and breaks that capture, in every
+capture mode of the calling thread (measured on an H100: torch's
+synchronize, and cudaDeviceSynchronize in the relaxed mode too, both get
+cudaErrorStreamCaptureUnsupported and the capture ends invalidated), and no
+call tells whether another thread captures. So a teardown runs only where
+the process's own code asked for it outside a capture on its thread: an
+explicit ``close()`` (or ``with`` exit) does it at once; a garbage
+collector's finalizer, which runs in whatever thread and moment it runs,
+inside an engine's capture of its all-reduce too, and a ``close()`` inside
+a capture on its own thread leave it waiting, the set still held, for this
+process's next PeerBuffer or ``close()`` outside a capture, or for its exit,
+after which the daemon frees what the dead rank held. Host buffers need no
+synchronize: theirs is done at once, wherever.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ class Teardown:
     slot: dict | None  # the release's body; None: the set was released already, or never joined
     label: str
 
-    def run(self, wait: bool) -> None:
-        """Now, unless this thread is inside a CUDA graph capture: then at the next safe point."""
-        if self.device.type == "cuda" and require_torch().cuda.is_current_stream_capturing():
-            log.info("%s: closed inside a CUDA graph capture: its release waits for this process's next "
-                     "PeerBuffer or close() outside a capture (or its exit)", self.label)
+    def run(self, wait: bool, collected: bool = False) -> None:
+        """Now, unless it would synchronize a CUDA device from a finalizer (``collected``) or inside a
+        capture on this thread: then at this process's next safe point."""
+        if self.device.type == "cuda" and (collected or require_torch().cuda.is_current_stream_capturing()):
+            log.info("%s: %s: its release waits for this process's next PeerBuffer or close() outside a CUDA "
+                     "graph capture (or its exit)", self.label,
+                     "collected without close()" if collected else "closed inside a CUDA graph capture")
             _waiting.append(self)
             return
         try:
@@ -62,8 +69,7 @@ class Teardown:
         if self.slot is None or self.device.type != "cuda":
             return
         try:
-            with _relaxed():
-                require_torch().cuda.synchronize(self.device)
+            require_torch().cuda.synchronize(self.device)
         except Exception as err:  # a broken context must not keep the set held
             log.warning("%s: synchronising %s before the release failed: %s", self.label, self.device, err)
 
@@ -84,7 +90,7 @@ class Teardown:
             raise
 
 
-#: teardowns that met a capture on their thread, oldest first; a deque: a finalizer may add to it anywhere
+#: teardowns waiting for a safe point, oldest first; a deque: a finalizer may add to it anywhere
 _waiting: collections.deque[Teardown] = collections.deque()
 os.register_at_fork(after_in_child=_waiting.clear)  # a forked child holds none of its parent's ranks
 
@@ -98,9 +104,3 @@ def finish_waiting() -> None:
             return
         teardown.run(wait=True)
 
-
-def _relaxed():
-    """The thread's relaxed capture mode (CUDA; a no-op elsewhere)."""
-    from .hostmap import runtime
-
-    return runtime().relaxed()

@@ -282,36 +282,53 @@ def queued(args) -> dict:
 
 
 def captured_close(args) -> dict:
-    """Drop two buffers inside a CUDA graph capture in torch's default (global) mode, one of them a
-    whole chunk of its own (unmapped at close): their finalizers run there and must neither break the
-    capture nor release the sets yet; this rank's next PeerBuffer, outside the capture, releases them."""
+    """Drop buffers while this thread captures a CUDA graph in torch's default (global) mode: two
+    collected inside the capture (one a whole chunk of its own, unmapped at close), one collected by
+    another thread meanwhile, where a device synchronize would break the capture as well. The graph
+    must replay, the sets stay held, and this rank's next PeerBuffer, outside the capture, releases them."""
     import gc
+    import threading
 
     import torch
 
     from peerd_client import PeerBuffer, tp_agree
     from peerd_client.connection import connection
 
-    def held(name: str) -> list[int]:
+    names = ("small", "whole", "elsewhere")
+
+    def held() -> list[list[int]]:
         listing = connection().call("ls", {})["groups"]
-        return next((g["held"] for g in listing if g["group"] == args.group and g["name"] == name), [])
+        return [next((g["held"] for g in listing if g["group"] == args.group and g["name"] == n), []) for n in names]
 
     small = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="small")
     whole = PeerBuffer(args.big, args.group, args.rank, args.npes, name="whole")
+    elsewhere = [PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="elsewhere")]
     small.cycle, whole.cycle = small, whole  # only the cycle collector frees them: inside the capture below
+    capturing, collected = threading.Event(), threading.Event()
+
+    def drop_elsewhere() -> None:
+        capturing.wait(30)
+        elsewhere.clear()  # its last reference: collected here, in this thread
+        collected.set()
+
+    dropper = threading.Thread(target=drop_elsewhere)
+    dropper.start()
     x = torch.ones(1024, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = x * 2
         del small, whole
         gc.collect()
+        capturing.set()
+        collected.wait(30)
         z = y + 1
+    dropper.join()
     graph.replay()
     torch.cuda.synchronize()
-    out = {"replayed": z[0].item(), "held_after_capture": [held("small"), held("whole")]}
+    out = {"replayed": z[0].item(), "held_after_capture": held()}
     assert tp_agree(True, args.group, args.rank, args.npes)  # every rank's capture is over
     later = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, name="later")
-    out["held_after_next_buffer"] = [held("small"), held("whole")]
+    out["held_after_next_buffer"] = held()
     later.close()
     return out
 
