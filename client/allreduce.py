@@ -55,7 +55,9 @@ ranks do run at once (MPS), they must be co-resident: one CTA per rank keeps
 that to npes CTAs, and work that fills every SM can delay a call.
 
 A rank that dies or stops (SIGSTOP) would leave its peers spinning in step 3
-forever, as in vLLM's custom all-reduce. Two ways out, both optional:
+forever, as in vLLM's custom all-reduce. Two ways out, both optional (the
+abort word also ends a wait on a rank stopped for PEERD_STOPPED_ABORT_S:
+peerd_client.stoppedpeers):
 
 ``abort``: the group's abort word (a peerd.controlpage.ControlPage on the
     host; a peerd_client.hostmap.MappedPage, the same page mapped into the

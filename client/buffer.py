@@ -16,6 +16,7 @@ from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, 
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
+from .stoppedpeers import stopped_peers
 from .teardown import Teardown, finish_waiting
 from .views import backend_for, byte_view, require_torch, worker_device
 
@@ -174,6 +175,7 @@ class PeerBuffer:
 
         self._link.choose()
         open_link(member.key, self._link, joined.get("supersedes") or [])
+        stopped_peers.watch(self._link, joined.get("pids"))
 
     def _commit_on_page(self, conn: Connection, member: Membership, pointers: list[int], timeout: float) -> dict:
         """The commit vote of a rank that holds the set's control page: its views first, then the vote

@@ -58,7 +58,7 @@ from peerd.trust import (
 from .errors import DaemonUnavailable, MonoUnsupported
 
 
-def _seconds_from_env(name: str, default: float) -> float:
+def seconds_from_env(name: str, default: float) -> float:
     """``name``'s seconds, or ``default`` with one warning when it is not a number in (0, MAX_TIMEOUT_S].
 
     Warned, not raised: this runs at import, in every worker, and the value
@@ -79,8 +79,8 @@ def _seconds_from_env(name: str, default: float) -> float:
     return default
 
 
-CONNECT_TIMEOUT_S = _seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
-REQUEST_TIMEOUT_S = _seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
+CONNECT_TIMEOUT_S = seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
+REQUEST_TIMEOUT_S = seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 #: how much longer than the daemon's own deadline a client waits for its verdict

@@ -44,6 +44,7 @@ from peerd.paths import fd_socket_path
 
 from .connection import REQUEST_TIMEOUT_S
 from .errors import MonoUnsupported
+from .stoppedpeers import stopped_peers
 
 log = logging.getLogger("peerd_client")
 
@@ -249,6 +250,7 @@ class GroupLink:
         if self._watch is not None:
             self._watch.discard(self)
             self._watch = None
+        stopped_peers.discard(self)
         self.mapped = self.page = None
 
 

@@ -231,6 +231,7 @@ class AbortCode(enum.IntEnum):
     SHUTDOWN = 4
     MEMBER_ABORTED = 5  # a member gave up on its group itself
     MEMBER_LEFT = 6  # a member released its buffers while its peers still hold theirs
+    MEMBER_STOPPED = 7  # a member stayed stopped (SIGSTOP, a debugger) past its peers' grace
 
 
 class Outcome(enum.IntEnum):

@@ -281,6 +281,7 @@ class Rendezvous:
             "offsets": [s.allocation.offset for s in slots],
             "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
+            "pids": [s.pid for s in slots],  # as this daemon sees them: a member watches its peers (stopped?)
             "set": bset.id,
         }
         page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages

@@ -333,6 +333,30 @@ def captured_close(args) -> dict:
     return out
 
 
+def beside_stopped(args) -> dict:
+    """Hold a buffer on a control page and, after each line on stdin, vote once (``tp_agree``) and say
+    whether the group is aborted and why; rank 1 is the one the test stops (SIGSTOP) meanwhile, and
+    prints NEXT before it reads each line."""
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
+    print("READY", flush=True)
+    out = {"page": buf.abort_source is not None}
+    for step in ("short", "long"):
+        if args.rank == 1:
+            print("NEXT", flush=True)
+        sys.stdin.readline()
+        started = time.monotonic()
+        agreed = tp_agree(True, args.group, timeout=args.timeout)
+        out[step] = {"agreed": agreed, "waited": round(time.monotonic() - started, 3), "aborted": None}
+        try:
+            buf.check()
+        except MonoUnsupported as err:
+            out[step]["aborted"] = str(err)
+    buf.close()
+    return out
+
+
 def sealed(args) -> dict:
     """Hold a buffer, fetch the set's fds again as its member, and try to resize or reseal a peer's."""
     import errno
@@ -811,6 +835,7 @@ SCENARIOS = {
     "cache": cache,
     "queued": queued,
     "captured_close": captured_close,
+    "beside_stopped": beside_stopped,
     "call": call,
     "sealed": sealed,
     "chaos": chaos,

@@ -246,6 +246,43 @@ def test_a_rank_that_gives_up_on_its_join_releases_its_slot_once_the_daemon_answ
     finish(rank)
 
 
+def test_a_rank_stopped_past_the_grace_aborts_its_group_and_one_stopped_briefly_does_not(socket_dir):
+    """A stopped rank is alive, so nothing the daemon sees ends its peers' waits (a kernel polling the
+    abort word waits for ever). Its peers watch it: stopped for less than PEERD_STOPPED_ABORT_S, the
+    group goes on; stopped longer, a peer aborts the group's page naming it, and every wait ends."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               extra_env={"PEERD_STOPPED_ABORT_S": "3"}).start()
+    ranks = []
+    try:
+        ranks += [start_rank(d, "beside_stopped", r, 2, "--group", "stopped", "--timeout", "30",
+                            stdin=subprocess.PIPE) for r in range(2)]
+        for proc in ranks:
+            _line(proc, "READY")
+        waiter, stopped = ranks
+        for pause in (1.0, 8.0):
+            _line(stopped, "NEXT")
+            stopped.send_signal(signal.SIGSTOP)
+            _say(waiter)
+            time.sleep(pause)
+            stopped.send_signal(signal.SIGCONT)
+            _say(stopped)
+        results = [finish(proc) for proc in ranks]
+    finally:
+        for proc in ranks:
+            proc.kill()
+        assert d.stop() == 0, d.logs()
+    mine, its = results
+    assert mine["page"] and its["page"], "the group must be on its control page, or nothing is tested"
+    assert mine["short"]["agreed"] and mine["short"]["aborted"] is None, mine
+    assert its["short"]["agreed"], its
+    long = mine["long"]
+    assert not long["agreed"] and 3 <= long["waited"] < 7, long
+    assert f"rank 1 (pid {stopped.pid})" in long["aborted"] and "has been stopped" in long["aborted"], long
+    # resumed, the stopped rank finds its group aborted (by then the daemon may have written over the reason:
+    # the waiter released its buffer meanwhile, MEMBER_LEFT)
+    assert not its["long"]["agreed"] and "the group was aborted" in its["long"]["aborted"], its
+
+
 def test_ctrl_c_in_the_constructor_leaves_nothing_held_and_the_process_may_join_again(daemon):
     """A Ctrl-C while the constructor waited for its peers left the rank joined until the process exited:
     its peers got the handles and waited out the agreement, and the same process joining again was refused

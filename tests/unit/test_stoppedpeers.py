@@ -1,0 +1,66 @@
+"""peerd_client.stoppedpeers: how long a peer has been stopped, and reading it off a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from peerd_client.stoppedpeers import POLL_S, STALE_AFTER_S, StopClock, stopped
+
+
+def test_a_pid_counts_from_the_first_poll_that_saw_it_stopped_and_a_running_poll_resets_it():
+    clock = StopClock()
+    for now in (0.0, 1.0, 2.0):
+        clock.poll(now)
+    assert clock.seen(7, True, 2.0) == 0.0
+    clock.poll(3.0)
+    assert clock.seen(7, True, 3.0) == 1.0
+    clock.poll(4.0)
+    assert clock.seen(7, False, 4.0) == 0.0
+    clock.poll(5.0)
+    assert clock.seen(7, True, 5.0) == 0.0, "stopped again: counted afresh"
+
+
+def test_a_gap_between_polls_counts_nothing_the_watcher_did_not_see():
+    """The watcher itself was stopped with its whole job (Ctrl-Z): a peer still stopped just after
+    the job resumes has not been stopped for the whole gap, as far as anyone watching knows."""
+    clock = StopClock()
+    clock.poll(0.0)
+    clock.seen(7, True, 0.0)
+    later = STALE_AFTER_S + 60
+    clock.poll(later)
+    assert clock.seen(7, True, later) == 0.0
+    clock.poll(later + POLL_S)
+    assert clock.seen(7, True, later + POLL_S) == POLL_S
+
+
+def test_pids_no_longer_watched_are_forgotten():
+    clock = StopClock()
+    clock.poll(0.0)
+    clock.seen(7, True, 0.0)
+    clock.keep({8})
+    clock.poll(1.0)
+    assert clock.seen(7, True, 1.0) == 0.0
+
+
+def test_a_real_process_reads_stopped_only_while_it_is():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not stopped(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped(child.pid)
+        child.send_signal(signal.SIGCONT)
+        while stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not stopped(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not stopped(child.pid), "a reaped pid is not stopped"
+    assert not stopped(os.getpid())
