@@ -129,8 +129,8 @@ class StoppedPeers:
             return
         for rank, pid in enumerate(peers):
             if pid and clock.seen(pid, stopped(pid), now) >= self.grace:
-                reason = (f"rank {rank} (pid {pid}) of {link.label} has been stopped (SIGSTOP, or a debugger) "
-                          f"for {self.grace:g}s while its peers waited (PEERD_STOPPED_ABORT_S)")
+                reason = (f"rank {rank} (pid {pid}), a peer of {link.label}, has been stopped (SIGSTOP, or a "
+                          f"debugger) for {self.grace:g}s while its peers waited (PEERD_STOPPED_ABORT_S)")
                 log.warning("%s: aborting the group", reason)
                 page.abort(AbortCode.MEMBER_STOPPED, reason)
                 self.discard(link)

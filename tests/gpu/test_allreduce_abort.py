@@ -113,7 +113,8 @@ def test_an_abort_stops_the_kernels_while_every_process_lives(cuda_daemon):  # n
 
 @pytest.mark.parametrize("wired", [False, True], ids=["explicit-page", "daemon-page"])
 def test_a_stopped_rank_makes_its_peers_time_out_at_their_deadline(cuda_daemon, wired):  # noqa: F811
-    """SIGSTOP is no death: nothing aborts, so the all-reduce's deadline is what ends the peers' wait."""
+    """SIGSTOP is no death: until a peer has seen the rank stopped for PEERD_STOPPED_ABORT_S (20 s), nothing
+    aborts, so a shorter all-reduce deadline is what ends the peers' wait."""
     with contextlib.nullcontext() if wired else OwnPage(3, new_instance_id()) as page:
         *waiters, holder = start(cuda_daemon, page, "wired-stop" if wired else "abort-stop", 3, "--deadline", "2")
         announced(holder, "holding")
@@ -125,6 +126,22 @@ def test_a_stopped_rank_makes_its_peers_time_out_at_their_deadline(cuda_daemon, 
         finally:
             holder.kill()
             holder.wait()
+
+
+def test_a_rank_stopped_past_the_grace_ends_its_peers_kernels_without_a_deadline(cuda_daemon):  # noqa: F811
+    """SIGSTOP is no death, and the daemon sees nothing: a peer that has seen the rank stopped for
+    PEERD_STOPPED_ABORT_S aborts the group's page, and every waiting kernel exits with the reason."""
+    cuda_daemon.extra_env["PEERD_STOPPED_ABORT_S"] = "2"
+    *waiters, holder = start(cuda_daemon, None, "wired-stopped", 3)
+    announced(holder, "holding")
+    holder.send_signal(signal.SIGSTOP)
+    try:
+        for p in waiters:
+            announced(p, "calling")
+        check_waiters(waiters, "MonoUnsupported", f"rank 2 (pid {holder.pid}), a peer of group=wired-stopped")
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("npes", [2, 4, 8])
