@@ -141,6 +141,17 @@ def test_a_failed_set_of_the_group_aborts_every_page_of_the_group_and_the_first_
     assert view.aborted().code == AbortCode.SET_FAILED, "the first abort's reason is the cause"
 
 
+def test_a_members_own_abort_stays_the_reason_when_the_daemon_aborts_the_page_after_it(reg, pages):
+    """A member aborts its group's page itself where the daemon cannot see the cause (a peer it saw
+    stopped); the daemon's later abort (that member released, died) must not write over the cause."""
+    bset, location = opened(reg)
+    view = member_view(pages, bset, location)
+    view.abort(AbortCode.MEMBER_STOPPED, "rank 1 (pid 101), a peer of group=g name=n rank 0, has been stopped")
+    reg.process_died(100, 1.0)
+    aborted = member_view(pages, bset, location).aborted()
+    assert aborted.code == AbortCode.MEMBER_STOPPED and "has been stopped" in aborted.reason, aborted.reason
+
+
 def test_shutdown_aborts_every_page_and_closes_the_areas(reg, pages):
     view = member_view(pages, *opened(reg))
     pages.shutdown()
