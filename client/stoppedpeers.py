@@ -119,16 +119,19 @@ class StoppedPeers:
                 links = list(self._links.items())
             now = time.monotonic()
             clock.poll(now)
-            clock.keep({pid for _, peers in links for pid in peers})
+            pids = {pid for _, peers in links for pid in peers if pid}
+            clock.keep(pids)
+            # each peer read once a poll, however many of this process's sets it shares
+            stopped_for = {pid: clock.seen(pid, stopped(pid), now) for pid in pids}
             for link, peers in links:
-                self._check(link, peers, clock, now)
+                self._check(link, peers, stopped_for)
 
-    def _check(self, link, peers: list[int], clock: StopClock, now: float) -> None:
+    def _check(self, link, peers: list[int], stopped_for: dict[int, float]) -> None:
         page = link.page
         if page is None or page.aborted() is not None:
             return
         for rank, pid in enumerate(peers):
-            if pid and clock.seen(pid, stopped(pid), now) >= self.grace:
+            if pid and stopped_for[pid] >= self.grace:
                 reason = (f"rank {rank} (pid {pid}), a peer of {link.label}, has been stopped (SIGSTOP, or a "
                           f"debugger) for {self.grace:g}s while its peers waited (PEERD_STOPPED_ABORT_S)")
                 log.warning("%s: aborting the group", reason)

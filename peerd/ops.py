@@ -118,7 +118,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
         "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
         "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str)),
-        "pids": Field(list, _each(int), None), "page": Field(list, _page, None), "set": Field(int), "supersedes": Field(list, _each(int), None)},
+        "pids": Field(list, _each(int), None), "page": Field(list, _page, None), "set": Field(int),
+        "supersedes": Field(list, _each(int), None)},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain
        registry=True, watches=True),
