@@ -22,8 +22,10 @@ import time
 
 def start(daemon, npes: int, *args: str) -> list[subprocess.Popen]:
     """Every rank of a group, as processes against ``daemon`` (tests.conftest.Daemon)."""
+    from tests.forkserver import popen
+
     return [
-        subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--npes", str(npes), *args],
+        popen([sys.executable, __file__, "--rank", str(r), "--npes", str(npes), *args],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env())
         for r in range(npes)
     ]

@@ -15,8 +15,10 @@ import sys
 
 def start(daemon, scenario: str, npes: int, *args: str, stdin=None) -> list[subprocess.Popen]:
     """Every rank of a group, as processes against ``daemon`` (tests.conftest.Daemon)."""
+    from tests.forkserver import popen
+
     return [
-        subprocess.Popen([sys.executable, __file__, scenario, "--rank", str(r), "--npes", str(npes), *args],
+        popen([sys.executable, __file__, scenario, "--rank", str(r), "--npes", str(npes), *args],
                          stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env())
         for r in range(npes)
     ]

@@ -1,5 +1,6 @@
 """Fixtures that run the real thing: a daemon process on a private socket,
-worker ranks as separate processes, the CLI as a subprocess."""
+worker ranks as separate processes (forked from one that imported torch once:
+tests/forkserver.py), the CLI as a subprocess."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from peerd_client.connection import daemon_answers
+from tests.forkserver import popen
 
 HERE = Path(__file__).parent
 MEMFD = "/memfd:peerd"  # how /proc shows the host backend's memory
@@ -175,7 +177,7 @@ def daemon(socket_dir):
 
 
 def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str, stdin=None) -> subprocess.Popen:
-    return subprocess.Popen(
+    return popen(
         [sys.executable, str(HERE / "rank.py"), scenario, "--rank", str(rank), "--npes", str(npes), *args],
         stdin=stdin,
         stdout=subprocess.PIPE,

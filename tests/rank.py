@@ -658,8 +658,9 @@ def dropped_in_failed_call(args) -> dict:
 
 
 def vote_behind_busy_thread(args) -> dict:
-    """A thread waits in a vote nobody else joins (--timeout 20); this one votes in another group with
-    timeout 1: its call waited behind the other's whole wait, and now ends at its own deadline."""
+    """A thread waits in a vote nobody else joins (timeout 9); this one votes in another group with
+    timeout 1 (6 s with the client's grace): its call waited behind the other's whole wait, and now ends at its
+    own deadline."""
     import threading
 
     from peerd_client import MonoUnsupported, tp_agree
@@ -667,7 +668,7 @@ def vote_behind_busy_thread(args) -> dict:
     lonely: dict = {}
 
     def wait_alone() -> None:
-        lonely["verdict"] = tp_agree(True, f"{args.group}-lonely", 0, 2, timeout=20)
+        lonely["verdict"] = tp_agree(True, f"{args.group}-lonely", 0, 2, timeout=9)
 
     waiting = threading.Thread(target=wait_alone)
     waiting.start()

@@ -22,6 +22,7 @@ import pytest
 from peerd.controlpage import AbortCode, new_instance_id
 from tests.gpu.test_cuda import REASON, cuda_daemon  # noqa: F401 (the fixture)
 from tests.integration.test_controlpage_agree import abort_from_another_process
+from tests.forkserver import popen
 from tests.pagekit import OwnPage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -49,7 +50,7 @@ def start(daemon, page: OwnPage | None, group: str, npes: int, *args: str) -> li
     polls its buffer's own control page (the wired path), which it announces first."""
     fd = ("--page-fd", str(page.fd)) if page is not None else ()
     procs = [
-        subprocess.Popen(
+        popen(
             [sys.executable, RANK, "--rank", str(r), "--npes", str(npes), "--group", group, *fd,
              "--waiters", str(npes - 1), "--role", "holder" if r == npes - 1 else "waiter", *args],
             pass_fds=(page.fd,) if page is not None else (), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

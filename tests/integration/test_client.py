@@ -67,7 +67,7 @@ def test_a_deadline_no_wait_can_honour_is_refused_alike_on_the_page_and_through_
 
 def test_a_call_waiting_for_another_threads_turn_on_the_connection_ends_at_its_own_deadline(daemon):
     """Calls of one process's threads take turns on its connection; one that waited behind another's
-    20 s vote used to start its own 1 s only then (21 s in all); it raises TIMEOUT at its deadline now,
+    9 s vote used to start its own 1 s only then (10 s in all); it raises TIMEOUT at its deadline now,
     having sent nothing, while the other thread still waits."""
     (r,) = run_ranks(daemon, "vote_behind_busy_thread", 1, "--group", "behind", timeout=120)
     assert r["raised"] == "TIMEOUT" and "another thread of this process" in r["message"], r

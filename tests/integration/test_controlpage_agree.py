@@ -19,6 +19,7 @@ import torch
 from peerd.controlpage import AbortCode, new_instance_id
 from peerd_client.allreduce import Layout, all_reduce
 from peerd_client.errors import MonoUnsupported
+from tests.forkserver import popen
 from tests.integration.test_allreduce import fake_buffers
 from tests.pagekit import OwnPage
 
@@ -40,7 +41,7 @@ def page_of():
 
 
 def start(page: OwnPage, rank: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return popen(
         [sys.executable, RANK, "--fd", str(page.fd), "--rank", str(rank), "--npes", str(page.npes),
          "--instance", hex(page.instance), *args],
         pass_fds=(page.fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

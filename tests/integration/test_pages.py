@@ -26,6 +26,7 @@ import pytest
 from peerd.pagearea import MEMFD_NAME
 from peerd.pages import LEAVE_GRACE_S
 from tests.conftest import Daemon, finish, start_rank, wait_until
+from tests.forkserver import popen
 from tests.integration.test_arenas import SOCKET_GROUP, USER_A, USER_B, users  # noqa: F401 (the fixture)
 
 MEMBER = Path(__file__).resolve().parents[1] / "page_member.py"
@@ -33,7 +34,7 @@ MEMBER = Path(__file__).resolve().parents[1] / "page_member.py"
 
 class Member:
     def __init__(self, daemon, group: str, rank: int, npes: int, *args: str):
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [sys.executable, str(MEMBER), "--group", group, "--rank", str(rank), "--npes", str(npes), *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=daemon.env(),
         )
