@@ -16,7 +16,7 @@ from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, 
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
-from .stoppedpeers import stopped_peers
+from .stoppedpeers import own_pid, stopped_peers
 from .teardown import Teardown, finish_waiting
 from .views import backend_for, byte_view, require_torch, worker_device
 
@@ -101,6 +101,7 @@ class PeerBuffer:
                     "device": device_identity,
                     "flags": flags,
                     "timeout": rendezvous,
+                    **({"own_pid": claim} if (claim := own_pid()) else {}),
                 },
                 timeout=wait,
             )
@@ -175,7 +176,7 @@ class PeerBuffer:
 
         self._link.choose()
         open_link(member.key, self._link, joined.get("supersedes") or [])
-        stopped_peers.watch(self._link, joined.get("pids"))
+        stopped_peers.watch(self._link, joined.get("pids"), joined.get("own_pids"))
 
     def _commit_on_page(self, conn: Connection, member: Membership, pointers: list[int], timeout: float) -> dict:
         """The commit vote of a rank that holds the set's control page: its views first, then the vote

@@ -14,9 +14,14 @@ rounds and ``check()`` end with that reason.
 A whole job stopped at once (Ctrl-Z of ``peerd run``) aborts nothing: its
 watchers stop too, and a watcher that was itself held up longer than a few
 polls starts counting afresh. The peers' pids come in the join reply, as
-the daemon saw them; a process that does not find its own pid there runs in
-another pid namespace than the daemon, where those pids name other
-processes, and does not watch.
+the daemon saw them, and as each peer claimed them in its own join (its pid
+namespace and its pid there). A process that finds its own pid in the
+daemon's list shares the daemon's pid namespace and watches those; one that
+does not (a worker pod of its own, the daemon in the host's: docs/kubernetes.md)
+watches the peers that claimed its own namespace, by their own pids, where
+its /proc shows that namespace. A peer's claim is its word: it could name
+any process, but only one of this user, which a peer of this user's group
+could stop or abort the group anyway.
 """
 
 from __future__ import annotations
@@ -65,6 +70,35 @@ class StopClock:
             del self._since[pid]
 
 
+def own_pid() -> list | None:
+    """[this process's pid namespace, its pid there], as a join claims them; None where /proc cannot say."""
+    try:
+        return [os.readlink("/proc/self/ns/pid"), os.getpid()]
+    except OSError:
+        return None
+
+
+def peer_pids(rank: int, pids: list[int] | None, claims: list | None) -> list[int] | None:
+    """Each peer's pid in this process's pid namespace (0: not known here, and this rank's own), or None:
+    the daemon's pids where this process's own is among them, else the claims made in this process's
+    namespace, where this process's /proc shows that namespace (a pid read there names the claimed one)."""
+    if not pids or rank >= len(pids):
+        return None
+    mine = os.getpid()
+    if pids[rank] == mine:
+        return [0 if r == rank else pid for r, pid in enumerate(pids)]
+    here = own_pid()
+    if here is None or not claims or len(claims) != len(pids) or claims[rank] != here:
+        return None
+    try:
+        if os.readlink("/proc/self") != str(mine):  # a /proc of another pid namespace
+            return None
+    except OSError:
+        return None
+    return [claim[1] if r != rank and claim is not None and claim[0] == here[0] else 0
+            for r, claim in enumerate(claims)]
+
+
 def stopped(pid: int) -> bool:
     """Whether ``pid``, a process of this user, is stopped (state T) or stopped by a tracer (t)."""
     try:
@@ -87,11 +121,11 @@ class StoppedPeers:
         self._links: dict[object, list[int]] = {}  # GroupLink -> its peers' pids, by rank (its own rank: 0)
         self._thread: threading.Thread | None = None
 
-    def watch(self, link, pids: list[int] | None) -> None:
-        """Watch ``link``'s peers, where the daemon named their pids in this process's pid namespace."""
-        if link.page is None or not pids or len(pids) != link.npes or pids[link.rank] != os.getpid():
+    def watch(self, link, pids: list[int] | None, claims: list | None = None) -> None:
+        """Watch ``link``'s peers whose pids in this process's pid namespace are known (``peer_pids``)."""
+        peers = peer_pids(link.rank, pids, claims) if link.page is not None else None
+        if not peers or len(peers) != link.npes or not any(peers):
             return
-        peers = [0 if rank == link.rank else pid for rank, pid in enumerate(pids)]
         with self._lock:
             self._links[link] = peers
             if self._thread is None:

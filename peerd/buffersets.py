@@ -60,6 +60,7 @@ class Slot:
     held: bool = True  # its rank holds the set, from its join until its release or death
     dead: bool = False  # its process died (which also dropped its hold)
     waiter: Caller | None = None  # the join reply still owed
+    own_pid: list | None = None  # [pid namespace, pid] as the rank claims them (peerd_client.stoppedpeers)
 
 
 @dataclass

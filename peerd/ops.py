@@ -92,6 +92,28 @@ def _page(value: list) -> str | None:
     return None
 
 
+#: the most a pid can be on Linux (PID_MAX_LIMIT on 64-bit)
+MAX_PID = 1 << 22
+
+
+def _own_pid(value: list) -> str | None:
+    """A rank's own pid as it claims it: [its pid namespace, as /proc/self/ns/pid names it, its pid there]."""
+    if (len(value) != 2 or not isinstance(value[0], str) or key(value[0]) is not None
+            or isinstance(value[1], bool) or not isinstance(value[1], int) or not 1 <= value[1] <= MAX_PID):
+        return (f"must be [pid namespace, pid]: a string of 1 to {MAX_KEY_CHARS} printable characters and an "
+                f"integer in [1, {MAX_PID}]")
+    return None
+
+
+def _own_pids(values: list) -> str | None:
+    """Each rank's claimed own pid (as above), or null where it sent none."""
+    for value in values:
+        problem = None if value is None else _own_pid(value) if isinstance(value, list) else "must be a list"
+        if problem:
+            return f"holds {value!r}, which {problem}"
+    return None
+
+
 def _each(kind: type | tuple[type, ...]):
     return lambda values: None if all(isinstance(v, kind) for v in values) else f"must hold only {kind}"
 
@@ -115,10 +137,11 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("join", "Join buffer set (group, name) as `rank`; the reply waits for every rank and carries every "
        "rank's handle.",
        {**_SLOT, "npes": _NPES, "nbytes": Field(int, between(1, MAX_NBYTES)), "device": Field(str, key),
-        "flags": Field(int, _flags, 0), "timeout": _TIMEOUT},
+        "flags": Field(int, _flags, 0), "timeout": _TIMEOUT, "own_pid": Field(list, _own_pid, None)},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
         "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str)),
-        "pids": Field(list, _each(int), None), "page": Field(list, _page, None), "set": Field(int),
+        "pids": Field(list, _each(int), None), "own_pids": Field(list, _own_pids, None),
+        "page": Field(list, _page, None), "set": Field(int),
         "supersedes": Field(list, _each(int), None)},
        errors=(E.RANK_INVALID, E.RANK_TAKEN, *SET_FAILURES),
        while_draining=False,  # a new set would outlive the drain

@@ -156,7 +156,8 @@ class Rendezvous:
             bset.heard(rank)
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
-        self.index.take_slot(bset, Slot(rank, pid, uid, device, allocation, now, waiter=caller))
+        slot = Slot(rank, pid, uid, device, allocation, now, waiter=caller, own_pid=req.get("own_pid"))
+        self.index.take_slot(bset, slot)
         self._back(bset.owner_uid, bset.group, rank, pid, False)
         timeout = req["timeout"] or self._waits.rendezvous
         bset.patience = max(bset.patience, timeout)
@@ -281,7 +282,10 @@ class Rendezvous:
             "offsets": [s.allocation.offset for s in slots],
             "chunk_sizes": [s.allocation.span for s in slots],
             "devices": [s.device for s in slots],
-            "pids": [s.pid for s in slots],  # as this daemon sees them: a member watches its peers (stopped?)
+            # a member watches its peers (stopped?): by their pids as this daemon sees them, where it runs in
+            # this daemon's pid namespace, else by their own claims, where they share its namespace
+            "pids": [s.pid for s in slots],
+            "own_pids": [s.own_pid for s in slots],
             "set": bset.id,
         }
         page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages

@@ -341,7 +341,7 @@ def beside_stopped(args) -> dict:
 
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     print("READY", flush=True)
-    out = {"page": buf.abort_source is not None}
+    out = {"page": buf.abort_source is not None, "pid": os.getpid()}
     for step in ("short", "long"):
         if args.rank == 1:
             print("NEXT", flush=True)

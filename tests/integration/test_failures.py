@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import zmq
 
 from peerd import protocol
 from peerd.tally import LOG_EVERY_S
-from tests.conftest import Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
+from tests.conftest import HERE, Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
 
 
 def joined(daemon, group, rank):
@@ -246,6 +248,32 @@ def test_a_rank_that_gives_up_on_its_join_releases_its_slot_once_the_daemon_answ
     finish(rank)
 
 
+def _stopped_briefly_then_long(ranks: list, stop_pid: int) -> list[dict]:
+    """Rank 1 (``stop_pid`` here) is stopped for 1 s, then for 8 s, while rank 0 votes each time: both ranks'
+    results, checked against a grace of 3 s."""
+    for proc in ranks:
+        _line(proc, "READY")
+    waiter, stopped = ranks
+    for pause in (1.0, 8.0):
+        _line(stopped, "NEXT")
+        os.kill(stop_pid, signal.SIGSTOP)
+        _say(waiter)
+        time.sleep(pause)
+        os.kill(stop_pid, signal.SIGCONT)
+        _say(stopped)
+    results = [finish(proc) for proc in ranks]
+    mine, its = results
+    assert mine["page"] and its["page"], "the group must be on its control page, or nothing is tested"
+    assert mine["short"]["agreed"] and mine["short"]["aborted"] is None, mine
+    assert its["short"]["agreed"], its
+    long = mine["long"]
+    assert not long["agreed"] and 3 <= long["waited"] < 7, long
+    assert f"rank 1 (pid {its['pid']})" in long["aborted"] and "has been stopped" in long["aborted"], long
+    # resumed, the stopped rank hears why, though its peer released its buffer meanwhile (MEMBER_LEFT comes after)
+    assert not its["long"]["agreed"] and "has been stopped" in its["long"]["aborted"], its
+    return results
+
+
 def test_a_rank_stopped_past_the_grace_aborts_its_group_and_one_stopped_briefly_does_not(socket_dir):
     """A stopped rank is alive, so nothing the daemon sees ends its peers' waits (a kernel polling the
     abort word waits for ever). Its peers watch it: stopped for less than PEERD_STOPPED_ABORT_S, the
@@ -256,30 +284,47 @@ def test_a_rank_stopped_past_the_grace_aborts_its_group_and_one_stopped_briefly_
     try:
         ranks += [start_rank(d, "beside_stopped", r, 2, "--group", "stopped", "--timeout", "30",
                             stdin=subprocess.PIPE) for r in range(2)]
-        for proc in ranks:
-            _line(proc, "READY")
-        waiter, stopped = ranks
-        for pause in (1.0, 8.0):
-            _line(stopped, "NEXT")
-            stopped.send_signal(signal.SIGSTOP)
-            _say(waiter)
-            time.sleep(pause)
-            stopped.send_signal(signal.SIGCONT)
-            _say(stopped)
-        results = [finish(proc) for proc in ranks]
+        results = _stopped_briefly_then_long(ranks, ranks[1].pid)
     finally:
         for proc in ranks:
             proc.kill()
         assert d.stop() == 0, d.logs()
-    mine, its = results
-    assert mine["page"] and its["page"], "the group must be on its control page, or nothing is tested"
-    assert mine["short"]["agreed"] and mine["short"]["aborted"] is None, mine
-    assert its["short"]["agreed"], its
-    long = mine["long"]
-    assert not long["agreed"] and 3 <= long["waited"] < 7, long
-    assert f"rank 1 (pid {stopped.pid})" in long["aborted"] and "has been stopped" in long["aborted"], long
-    # resumed, the stopped rank hears why, though its peer released its buffer meanwhile (MEMBER_LEFT comes after)
-    assert not its["long"]["agreed"] and "has been stopped" in its["long"]["aborted"], its
+    assert results[1]["pid"] == ranks[1].pid
+
+
+def _child(pid: int) -> int:
+    """The one child of ``pid`` (unshare's and nsenter's: the process they fork), once it is there."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    wait_until(lambda: children.read_text().split(), 10, f"pid {pid} to fork")
+    return int(children.read_text().split()[0])
+
+
+@pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("nsenter")), reason="needs util-linux's "
+                    "unshare and nsenter")
+def test_ranks_in_a_pid_namespace_of_their_own_watch_each_other_by_the_pids_they_claimed(socket_dir):
+    """Worker pods keep their own pid namespace while the daemon runs in the host's (docs/kubernetes.md):
+    the pids the daemon saw name other processes there, so the members watch each other by the pids
+    each claimed in its join, and a rank stopped past the grace still aborts its group."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               extra_env={"PEERD_STOPPED_ABORT_S": "3"}).start()
+    pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "600"])
+    ranks = []
+    try:
+        init = _child(pod.pid)  # the namespace's pid 1; the ranks join its pid and mount (its /proc) namespaces
+        ranks += [subprocess.Popen(
+            ["nsenter", "--target", str(init), "--pid", "--mount", "--", sys.executable, str(HERE / "rank.py"),
+             "beside_stopped", "--rank", str(r), "--npes", "2", "--group", "pod", "--timeout", "30"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=d.env())
+            for r in range(2)]
+        stop_pid = _child(ranks[1].pid)  # rank 1 as the host (and the daemon) sees it
+        results = _stopped_briefly_then_long(ranks, stop_pid)
+    finally:
+        for proc in ranks:
+            proc.kill()
+        pod.kill()
+        pod.wait()
+        assert d.stop() == 0, d.logs()
+    assert results[1]["pid"] != stop_pid, "the ranks must see other pids than the daemon's, or nothing is tested"
 
 
 def test_ctrl_c_in_the_constructor_leaves_nothing_held_and_the_process_may_join_again(daemon):

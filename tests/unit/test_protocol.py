@@ -24,7 +24,7 @@ def refused(frame: bytes) -> ProtocolError:
 def test_request_round_trip_fills_defaults():
     request = ops.decode_request(protocol.encode_request(7, "join", JOIN))
     assert request.id == 7 and request.op == "join"
-    assert request.body == {**JOIN, "flags": 0, "timeout": None}
+    assert request.body == {**JOIN, "flags": 0, "timeout": None, "own_pid": None}
 
 
 def test_reply_and_error_round_trip():
@@ -78,6 +78,11 @@ def test_malformed_envelopes_are_refused_with_a_code(frame, code, words):
         ({"timeout": -2}, "'timeout' must be a number of seconds"),
         ({"timeout": "soon"}, "'timeout' must be int or float or null"),
         ({"color": "red"}, "unknown field(s) ['color']"),
+        ({"own_pid": ["pid:[4026531836]"]}, "'own_pid' must be [pid namespace, pid]"),
+        ({"own_pid": ["pid:[4026531836]", 0]}, "'own_pid' must be [pid namespace, pid]"),
+        ({"own_pid": ["pid:[4026531836]", True]}, "'own_pid' must be [pid namespace, pid]"),
+        ({"own_pid": ["pid\n[1]", 5]}, "'own_pid' must be [pid namespace, pid]"),
+        ({"own_pid": None}, "'own_pid' must be list"),
     ],
 )
 def test_every_join_field_is_validated(change, words):
@@ -134,7 +139,7 @@ def test_the_largest_valid_request_of_every_op_fits_the_daemons_frame_cap():
         "group": key, "name": key, "device": key, "reason": "\U0001F600" * protocol.MAX_REASON_CHARS,
         "rank": protocol.MAX_RANKS - 1, "npes": protocol.MAX_RANKS, "nbytes": protocol.MAX_NBYTES,
         "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S, "after": [key, key, (1 << 32) - 1], "uid": (1 << 32) - 1,
-        "limit": protocol.MAX_LS_PAGE, "page": True, "set": (1 << 63) - 1,
+        "limit": protocol.MAX_LS_PAGE, "page": True, "set": (1 << 63) - 1, "own_pid": [key, ops.MAX_PID],
     }
     for op, schema in ((name, op.request) for name, op in ops.OPS.items()):
         body = {name: longest[name] for name in schema}

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from peerd_client.stoppedpeers import POLL_S, STALE_AFTER_S, StopClock, stopped
+from peerd_client.stoppedpeers import POLL_S, STALE_AFTER_S, StopClock, own_pid, peer_pids, stopped
 
 
 def test_a_pid_counts_from_the_first_poll_that_saw_it_stopped_and_a_running_poll_resets_it():
@@ -64,3 +64,22 @@ def test_a_real_process_reads_stopped_only_while_it_is():
         child.wait()
     assert not stopped(child.pid), "a reaped pid is not stopped"
     assert not stopped(os.getpid())
+
+
+def test_a_member_in_the_daemons_pid_namespace_watches_the_pids_the_daemon_saw():
+    me = os.getpid()
+    assert peer_pids(1, [11, me, 13], None) == [11, 0, 13]
+    assert peer_pids(1, [11, me, 13], [["pid:[9]", 5], None, ["pid:[9]", 6]]) == [11, 0, 13], "claims unused"
+
+
+def test_a_member_in_another_pid_namespace_watches_the_peers_that_claim_its_own_by_their_own_pids():
+    """The daemon's pids name other processes here; the claims made in this namespace name its peers."""
+    here = own_pid()
+    assert here is not None and here[1] == os.getpid()
+    other_ns = ["pid:[1]", 5] if here[0] != "pid:[1]" else ["pid:[2]", 5]
+    daemon_saw = [101, 102, 103, 104]
+    claims = [[here[0], 40], here, other_ns, None]
+    assert peer_pids(1, daemon_saw, claims) == [40, 0, 0, 0]
+    assert peer_pids(1, daemon_saw, None) is None, "no claims: nothing known here"
+    assert peer_pids(1, daemon_saw, [[here[0], 40], [here[0], here[1] + 1], None, None]) is None, (
+        "a reply whose claim for this rank is not this process's own is not about this process")
