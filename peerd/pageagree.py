@@ -17,6 +17,7 @@ import time
 
 from .atomics import PageError, atomics
 from .controlpage import (
+    DAEMON_RANK,
     OFF_ABORT,
     OFF_SLEEPERS,
     OFF_SLOTS,
@@ -36,6 +37,8 @@ from .controlpage import (
 )
 
 _ROUND_MASK = (1 << ROUND_BITS) - 1
+#: the most a rank waits for the reason of a round the daemon closed (it writes it within its loop turn)
+DAEMON_ABORT_WAIT_S = 1.0
 AGREED = Verdict(True)
 LAYOUT = (OFF_WAKE, OFF_SLEEPERS, OFF_ABORT, OFF_VERDICTS, RING, OFF_SLOTS, SLOT_BYTES, ROUND_BITS)
 
@@ -102,6 +105,15 @@ class PageVoter:
         ahead = (word >> 24) - (k & _ROUND_MASK)
         return 0 < ahead % (1 << ROUND_BITS) < 1 << (ROUND_BITS - 1)
 
+    def _daemons_abort(self):
+        """The abort after a round the daemon closed: it closes the round (deciding whether the set
+        failed) and then writes the abort with its reason, so a rank that saw the round closed in between
+        waits for that reason a moment (a daemon gone meanwhile: the round's plain word)."""
+        deadline = time.monotonic() + DAEMON_ABORT_WAIT_S
+        while (aborted := self.page.aborted()) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return aborted
+
     def _no_votes(self, k: int) -> list[int]:
         """Ranks whose votes word still holds round k (slot at k or k + 1) and says no."""
         atomics().acquire_fence()  # pairs with each voter's release: the votes word is round k's or later
@@ -119,7 +131,7 @@ class PageVoter:
             ranks = self._no_votes(k) or [rank]
             return Verdict(False, f"agreement round {k} of {self.label}: rank(s) {ranks} voted no")
         if outcome == Outcome.ABORTED:
-            aborted = self.page.aborted()
+            aborted = self.page.aborted() if rank != DAEMON_RANK else self._daemons_abort()
             return Verdict(False, f"agreement round {k} of {self.label} ended: "
                                   f"{aborted.reason if aborted else 'the group was aborted'}")
         missing = [r for r, s in enumerate(self._slots) if s.value < k]  # still: the ranks to blame

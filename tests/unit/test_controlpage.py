@@ -145,6 +145,20 @@ def test_a_timed_out_round_is_false_for_the_late_rank_and_the_next_round_agrees(
     assert both == {0: cp.Verdict(True), 1: cp.Verdict(True)}, "round 2 agrees normally"
 
 
+def test_a_round_the_daemon_closed_reads_the_reason_of_the_abort_it_writes_next(pages):
+    """The daemon closes a commit round (is the set failing?), then aborts the page with the cause:
+    a rank that saw the round closed in between waits for that cause instead of a bare "aborted"."""
+    page = pages(2)
+    voter = PageVoter(twin(page), 0, label="group=g")
+    assert not page.close_round(1)
+    later = threading.Timer(0.05, page.abort, (AbortCode.MEMBER_DIED, "rank 1 (pid 4242) died"))
+    later.start()
+    verdict = voter.agree(True, time.monotonic() + 600)
+    later.join()
+    assert verdict == cp.Verdict(False, "agreement round 1 of group=g ended: the group was aborted "
+                                        "(MEMBER_DIED): rank 1 (pid 4242) died"), verdict
+
+
 def test_a_rank_far_behind_finds_its_round_forgotten(pages):
     page = pages(2)
     voter = PageVoter(page, 1)
