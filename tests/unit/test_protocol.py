@@ -82,7 +82,7 @@ def test_malformed_envelopes_are_refused_with_a_code(frame, code, words):
         ({"own_pid": ["pid:[4026531836]", 0]}, "'own_pid' must be [pid namespace, pid]"),
         ({"own_pid": ["pid:[4026531836]", True]}, "'own_pid' must be [pid namespace, pid]"),
         ({"own_pid": ["pid\n[1]", 5]}, "'own_pid' must be [pid namespace, pid]"),
-        ({"own_pid": None}, "'own_pid' must be list"),
+        ({"own_pid": "pid:[1] 5"}, "'own_pid' must be list or null"),
     ],
 )
 def test_every_join_field_is_validated(change, words):
