@@ -177,7 +177,7 @@ class Forked(subprocess.Popen):
         given = {0: p2cread, 1: c2pwrite, 2: errwrite}  # -1: the test's own, as an exec inherits it
         targets = {n: fd if fd != -1 else n for n, fd in given.items()}
         targets.update({fd: fd for fd in pass_fds})
-        request = json.dumps({"argv": [os.fspath(a) for a in args], "cwd": os.fspath(cwd or os.getcwd()),
+        request = json.dumps({"argv": [os.fspath(a) for a in args], "cwd": os.path.abspath(os.fspath(cwd or ".")),
                               "env": dict(os.environ if env is None else env),
                               "targets": list(targets)}).encode()
         status = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
