@@ -151,12 +151,12 @@ class StoppedPeers:
                     self._thread = None  # the next watch starts another
                     return
                 links = list(self._links.items())
-            now = time.monotonic()
-            clock.poll(now)
             pids = {pid for _, peers in links for pid in peers if pid}
+            states = {pid: stopped(pid) for pid in pids}  # each peer read once a poll, however many sets it shares
+            now = time.monotonic()  # after the reads: a stop is counted from no earlier than it was seen
+            clock.poll(now)
             clock.keep(pids)
-            # each peer read once a poll, however many of this process's sets it shares
-            stopped_for = {pid: clock.seen(pid, stopped(pid), now) for pid in pids}
+            stopped_for = {pid: clock.seen(pid, state, now) for pid, state in states.items()}
             for link, peers in links:
                 self._check(link, peers, stopped_for)
 

@@ -348,7 +348,8 @@ def beside_stopped(args) -> dict:
         sys.stdin.readline()
         started = time.monotonic()
         agreed = tp_agree(True, args.group, timeout=args.timeout)
-        out[step] = {"agreed": agreed, "waited": round(time.monotonic() - started, 3), "aborted": None}
+        out[step] = {"agreed": agreed, "waited": round(time.monotonic() - started, 3), "ended_at": time.monotonic(),
+                     "aborted": None}
         try:
             buf.check()
         except MonoUnsupported as err:
