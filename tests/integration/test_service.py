@@ -240,7 +240,8 @@ def test_a_reload_waiting_for_a_slow_group_lookup_keeps_the_daemon_answering(soc
             status = conn.call("status", {}, timeout=10)
             waits.append(time.monotonic() - started)
             assert waits[-1] < 1.0, f"a status waited {waits[-1]:.2f}s behind the reload"
-            assert 0 not in status["allowed"]["gids"], "not applied before the lookup answered"
+            if started - asked < 3.0:  # well before the 4 s lookup answers (later, the reload may land first)
+                assert 0 not in status["allowed"]["gids"], "not applied before the lookup answered"
             time.sleep(0.05)
         assert time.monotonic() - asked >= 3.5 and len(waits) >= 10, "the lookup must have been slow: " + str(waits)
         assert 0 in conn.call("status", {})["allowed"]["gids"], "applied once the lookup answered"
