@@ -20,6 +20,7 @@ preexec_fn or a new session) as a plain ``subprocess.Popen``.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import io
 import json
 import os
@@ -130,7 +131,8 @@ def become(launch: dict) -> None:
     """In the forked child: take the launch's file descriptors, environment, directory and argv,
     as an exec of ``python SCRIPT ARGS`` would have started with."""
     targets, fds = launch["targets"], launch["fds"]
-    high = [os.dup(fd) for fd in fds]  # out of the way of every target number first
+    floor = max([*targets, *fds]) + 1  # out of the way of every target number first (os.dup takes the lowest)
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
     for fd in fds:
         os.close(fd)
     for target, fd in zip(targets, high):
