@@ -112,7 +112,7 @@ def _own_pid_or_none(value: list | None) -> str | None:
 def _own_pids(values: list) -> str | None:
     """Each rank's claimed own pid (as above), or null where it sent none."""
     for value in values:
-        problem = None if value is None else _own_pid(value) if isinstance(value, list) else "must be a list"
+        problem = _own_pid_or_none(value) if isinstance(value, (list, type(None))) else "must be a list"
         if problem:
             return f"holds {value!r}, which {problem}"
     return None
@@ -141,7 +141,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("join", "Join buffer set (group, name) as `rank`; the reply waits for every rank and carries every "
        "rank's handle.",
        {**_SLOT, "npes": _NPES, "nbytes": Field(int, between(1, MAX_NBYTES)), "device": Field(str, key),
-        "flags": Field(int, _flags, 0), "timeout": _TIMEOUT, "own_pid": Field((list, type(None)), _own_pid_or_none, None)},
+        "flags": Field(int, _flags, 0), "timeout": _TIMEOUT,
+        "own_pid": Field((list, type(None)), _own_pid_or_none, None)},
        {"backend": Field(str), "handles": Field(list, _each(bytes)), "sizes": Field(list, _each(int)),
         "offsets": Field(list, _each(int)), "chunk_sizes": Field(list, _each(int)), "devices": Field(list, _each(str)),
         "pids": Field(list, _each(int), None), "own_pids": Field(list, _own_pids, None),
