@@ -10,6 +10,7 @@ from them (``python -m peerd.protodoc``). Standard library and msgpack only: wor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from .protocol import (
@@ -119,7 +120,8 @@ def _own_pids(values: list) -> str | None:
 
 
 def _each(kind: type | tuple[type, ...]):
-    return lambda values: None if all(isinstance(v, kind) for v in values) else f"must hold only {kind}"
+    """Every element a ``kind`` (looped in C: a join reply holds several lists of one entry per rank)."""
+    return lambda values: None if all(map(isinstance, values, repeat(kind))) else f"must hold only {kind}"
 
 
 _GROUP = Field(str, key)

@@ -148,24 +148,36 @@ def check_fields(where: str, schema: dict[str, Field], body: Any, closed: bool) 
     """
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: body must be a map, not {type(body).__name__}")
-    unknown = set(body) - set(schema)
-    if closed and unknown:
+    if closed and not body.keys() <= schema.keys():
+        unknown = body.keys() - schema.keys()
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: unknown field(s) {sorted(map(str, unknown))}")
     clean = dict(body)
-    for name, field in schema.items():
+    for name, field, kind, refuses_bool, check in _steps(schema):
         value = body.get(name, field)
         if value is field:
             if field.required:
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: missing field {name!r}")
             clean[name] = field.default
             continue
-        if not isinstance(value, field.kind) or (field.refuses_bool and isinstance(value, bool)):
+        if not isinstance(value, kind) or (refuses_bool and isinstance(value, bool)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} must be "
-                                f"{type_name(field.kind)}, got {type(value).__name__}")
-        problem = field.check and field.check(value)
+                                f"{type_name(kind)}, got {type(value).__name__}")
+        problem = check and check(value)
         if problem:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"{where}: field {name!r} {problem}")
     return clean
+
+
+_compiled: dict[int, tuple[dict[str, Field], list[tuple]]] = {}
+
+
+def _steps(schema: dict[str, Field]) -> list[tuple]:
+    """(name, field, kind, refuses_bool, check) per field of a schema, read off its Fields once: every
+    request and reply of the hot path is checked, and attribute lookups were most of a check's time."""
+    known = _compiled.get(id(schema))
+    if known is None or known[0] is not schema:
+        known = _compiled[id(schema)] = (schema, [(name, f, f.kind, f.refuses_bool, f.check) for name, f in schema.items()])
+    return known[1]
 
 
 # ---------------------------------------------------------------- envelopes
@@ -231,8 +243,18 @@ def decode_envelope(frame: bytes, max_bytes: int = MAX_REQUEST_BYTES) -> tuple[i
         raise
 
 
-def encode_reply(request_id: int, body: dict[str, Any]) -> bytes:
-    return _pack({"v": VERSION, "id": request_id, "ok": True, "body": body})
+def pack_body(body: dict[str, Any]) -> bytes:
+    """A reply body packed once, for every caller it answers (a join's reply goes to every rank)."""
+    return _pack(body)
+
+
+#: what precedes and follows the id in every reply: the same bytes _pack makes of the whole map
+_REPLY_HEAD = b"\x84" + _pack("v") + _pack(VERSION) + _pack("id")
+_REPLY_OK = _pack("ok") + _pack(True) + _pack("body")
+
+
+def encode_packed_reply(request_id: int, packed_body: bytes) -> bytes:
+    return _REPLY_HEAD + _pack(request_id) + _REPLY_OK + packed_body
 
 
 def encode_error(request_id: int | None, code: ErrorCode, message: str) -> bytes:

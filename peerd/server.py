@@ -41,7 +41,8 @@ from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
 from .ops import OPS, Op, decode_request
-from .protocol import MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_reply, request_id_of
+from .protocol import (MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_packed_reply, pack_body,
+                       request_id_of)
 from .settings import Loader, Settings
 from .tally import Tally
 from .credentials import Credentials
@@ -386,6 +387,7 @@ class Daemon:
             return [Send(caller, error=ProtocolError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))]
 
     def _deliver(self, out: Outbox) -> None:
+        packed: dict[int, bytes] = {}  # id(body) -> its bytes: a body answering several callers is packed once
         for send in out:
             if self.metrics is not None:
                 self.metrics.answered(send)
@@ -396,7 +398,10 @@ class Daemon:
                               op, send.error.code.value)
                 frame = encode_error(request_id, send.error.code, send.error.message)
             else:
-                frame = encode_reply(request_id, send.body)
+                body = packed.get(id(send.body))
+                if body is None:
+                    body = packed[id(send.body)] = pack_body(send.body)
+                frame = encode_packed_reply(request_id, body)
             try:
                 self._router.send_multipart([identity, frame], zmq.NOBLOCK)
             except zmq.Again:

@@ -27,8 +27,21 @@ def test_request_round_trip_fills_defaults():
     assert request.body == {**JOIN, "flags": 0, "timeout": None, "own_pid": None}
 
 
+def reply_frame(request_id: int, body: dict) -> bytes:
+    return protocol.encode_packed_reply(request_id, protocol.pack_body(body))
+
+
+@pytest.mark.parametrize("request_id", [0, 127, 128, 65535, 65536, 1 << 40])
+def test_a_reply_spliced_from_a_body_packed_once_is_the_map_packed_whole(request_id):
+    """The daemon packs a join's body once for all ranks and splices each rank's id in: the bytes must be
+    what msgpack makes of the whole reply, or a client would read another id or body."""
+    body = {"handles": [b"h" * 64] * 8, "set": 5, "page": [1, 2, 3], "devices": ["GPU-x"] * 8}
+    whole = msgpack.packb({"v": protocol.VERSION, "id": request_id, "ok": True, "body": body}, use_bin_type=True)
+    assert reply_frame(request_id, body) == whole
+
+
 def test_reply_and_error_round_trip():
-    reply = protocol.decode_reply(protocol.encode_reply(3, {"handles": [b"\x00\x01"]}))
+    reply = protocol.decode_reply(reply_frame(3, {"handles": [b"\x00\x01"]}))
     assert reply.ok and reply.id == 3 and reply.body == {"handles": [b"\x00\x01"]}
     error = protocol.decode_reply(protocol.encode_error(4, ErrorCode.TIMEOUT, "rank 1 never came"))
     assert not error.ok and error.id == 4
@@ -37,7 +50,7 @@ def test_reply_and_error_round_trip():
 
 def test_envelope_and_payload_stay_apart():
     """A body field named like an envelope field cannot overwrite it (circus's bug)."""
-    reply = protocol.decode_reply(protocol.encode_reply(1, {"ok": False, "id": 99}))
+    reply = protocol.decode_reply(reply_frame(1, {"ok": False, "id": 99}))
     assert reply.ok is True and reply.id == 1 and reply.body == {"ok": False, "id": 99}
 
 
