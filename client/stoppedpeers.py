@@ -70,12 +70,21 @@ class StopClock:
             del self._since[pid]
 
 
+_own_claim: tuple[int, list | None] | None = None  # (the pid it was read in, the claim): read once per process
+
+
 def own_pid() -> list | None:
-    """[this process's pid namespace, its pid there], as a join claims them; None where /proc cannot say."""
-    try:
-        return [os.readlink("/proc/self/ns/pid"), os.getpid()]
-    except OSError:
-        return None
+    """[this process's pid namespace, its pid there], as a join claims them; None where /proc cannot say.
+    Read once per process (a process never leaves its pid namespace), so no join waits on /proc."""
+    global _own_claim
+    mine = os.getpid()
+    if _own_claim is None or _own_claim[0] != mine:  # a forked child has a pid, maybe a namespace, of its own
+        try:
+            claim = [os.readlink("/proc/self/ns/pid"), mine]
+        except OSError:
+            claim = None
+        _own_claim = (mine, claim)
+    return None if _own_claim[1] is None else list(_own_claim[1])
 
 
 def peer_pids(rank: int, pids: list[int] | None, claims: list | None) -> list[int] | None:
