@@ -13,6 +13,9 @@ by iteration:
   zmq broker       a bare ZeroMQ ROUTER in a Python process of its own answers
                    every rank once all N sent (each answer carries the N
                    handles): a join through ZeroMQ with a broker that does no work
+  zmtp client      the same ROUTER, its ranks speaking ZeroMQ's wire protocol
+                   (ZMTP 3.0) themselves over a blocking Unix socket: the
+                   broker's I/O thread kept, the ranks' left out
   unix broker      the same over AF_UNIX SOCK_SEQPACKET and select(): the floor
                    without ZeroMQ's I/O threads
   peerd next set   PeerBuffer(...) of a group the workers already hold a set of:
@@ -30,6 +33,7 @@ import multiprocessing as mp
 import os
 import select
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -38,7 +42,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-PATHS = ("gloo exchange", "zmq broker", "unix broker", "peerd next set")
+PATHS = ("gloo exchange", "zmq broker", "zmtp client", "unix broker", "peerd next set")
 HANDLE = b"h" * 64
 
 
@@ -54,6 +58,46 @@ def zmq_broker(path: str, npes: int, rounds: int, ready) -> None:
         answer = b"".join(payload for _, payload in got)
         for identity, _ in got:
             sock.send_multipart([identity, answer])
+
+
+class ZmtpDealer:
+    """A DEALER speaking ZMTP 3.0 (NULL mechanism) itself over a blocking AF_UNIX socket: no I/O thread."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+        greeting = self._exactly(64)
+        assert greeting[0] == 0xFF and greeting[9] == 0x7F and greeting[10] == 3, greeting
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        self.sock.sendall(b"\x04" + bytes([len(ready)]) + ready)
+        flags, body = self._frame()
+        assert flags & 4 and body.startswith(b"\x05READY"), body
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the ROUTER closed the connection")
+            data += chunk
+        return data
+
+    def _frame(self) -> tuple[int, bytes]:
+        flags = self._exactly(1)[0]
+        size = struct.unpack(">Q", self._exactly(8))[0] if flags & 2 else self._exactly(1)[0]
+        return flags, self._exactly(size)
+
+    def send(self, payload: bytes) -> None:
+        head = b"\x00" + bytes([len(payload)]) if len(payload) < 256 else b"\x02" + struct.pack(">Q", len(payload))
+        self.sock.sendall(head + payload)
+
+    def recv(self) -> bytes:
+        while True:
+            flags, body = self._frame()
+            if not flags & 4:  # a command (a PING) is not a message
+                assert not flags & 1, "one-frame messages only"
+                return body
 
 
 def unix_broker(path: str, npes: int, rounds: int, ready) -> None:
@@ -86,6 +130,7 @@ def worker(rank, npes, args, start: C.Start, port, paths, results) -> None:
         C.init_gloo(port, rank, npes)
         dealer = zmq.Context().socket(zmq.DEALER)
         dealer.connect(f"ipc://{paths['zmq']}")
+        zmtp = ZmtpDealer(paths["zmtp"])
         seq = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         seq.connect(paths["unix"])
         key = f"floor-{npes}"
@@ -94,6 +139,10 @@ def worker(rank, npes, args, start: C.Start, port, paths, results) -> None:
         def zmq_join():
             dealer.send(HANDLE)
             assert len(dealer.recv()) == 64 * npes
+
+        def zmtp_join():
+            zmtp.send(HANDLE)
+            assert len(zmtp.recv()) == 64 * npes
 
         def unix_join():
             seq.send(HANDLE)
@@ -111,7 +160,8 @@ def worker(rank, npes, args, start: C.Start, port, paths, results) -> None:
                 if path == "peerd next set":
                     buf = PeerBuffer(args.nbytes, key, rank, npes, device, name=f"set-{i}")
                 else:
-                    {"gloo exchange": gloo_exchange, "zmq broker": zmq_join, "unix broker": unix_join}[path]()
+                    {"gloo exchange": gloo_exchange, "zmq broker": zmq_join, "zmtp client": zmtp_join,
+                     "unix broker": unix_join}[path]()
                 elapsed = time.monotonic() - instant
                 if i >= args.warmup:
                     samples[path].append(elapsed)
@@ -130,9 +180,9 @@ def measure(npes: int, args) -> dict:
     ctx = mp.get_context("spawn")
     rounds = args.warmup + args.iters
     folder = tempfile.mkdtemp(prefix="floor-", dir="/tmp")
-    paths = {"zmq": os.path.join(folder, "zmq.sock"), "unix": os.path.join(folder, "unix.sock")}
+    paths = {name: os.path.join(folder, f"{name}.sock") for name in ("zmq", "zmtp", "unix")}
     brokers = []
-    for target, path in ((zmq_broker, paths["zmq"]), (unix_broker, paths["unix"])):
+    for target, path in ((zmq_broker, paths["zmq"]), (zmq_broker, paths["zmtp"]), (unix_broker, paths["unix"])):
         ready = ctx.Event()
         brokers.append(ctx.Process(target=target, args=(path, npes, rounds, ready), daemon=True))
         brokers[-1].start()
