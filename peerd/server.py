@@ -480,25 +480,27 @@ class Daemon:
 
     def _allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """The registry's allocate."""
-        with _as_error_code(f"allocating {nbytes} bytes on {device}"):
+        try:
             return self.backend.allocate(nbytes, device, flags, uid)
+        except Exception as err:  # a try, not a context manager: this runs once per join
+            raise _as_error_code(err, f"allocating {nbytes} bytes on {device}") from err
 
     def _ready(self, allocation: Allocation) -> bool:
         """The registry's ready."""
-        with _as_error_code(f"reserving {allocation.size} bytes on {allocation.device}"):
+        try:
             return self.backend.ready(allocation)
+        except Exception as err:
+            raise _as_error_code(err, f"reserving {allocation.size} bytes on {allocation.device}") from err
 
 
-@contextlib.contextmanager
-def _as_error_code(doing: str):
+#: the backend failures whose own message is the whole story, and the code each becomes
+_KNOWN_FAILURES = ((UnknownDevice, ErrorCode.DEVICE_UNKNOWN), (OverCap, ErrorCode.LIMIT_EXCEEDED),
+                   (AllocationFailed, ErrorCode.ALLOCATION_FAILED))
+
+
+def _as_error_code(err: Exception, doing: str) -> ProtocolError:
     """The one place where a backend's failure becomes an error code."""
-    try:
-        yield
-    except UnknownDevice as err:
-        raise ProtocolError(ErrorCode.DEVICE_UNKNOWN, str(err)) from None
-    except OverCap as err:
-        raise ProtocolError(ErrorCode.LIMIT_EXCEEDED, str(err)) from None
-    except AllocationFailed as err:
-        raise ProtocolError(ErrorCode.ALLOCATION_FAILED, str(err)) from None
-    except Exception as err:
-        raise ProtocolError(ErrorCode.ALLOCATION_FAILED, f"{doing} failed: {err}") from err
+    for kind, code in _KNOWN_FAILURES:
+        if isinstance(err, kind):
+            return ProtocolError(code, str(err))
+    return ProtocolError(ErrorCode.ALLOCATION_FAILED, f"{doing} failed: {err}")
