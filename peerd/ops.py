@@ -26,6 +26,7 @@ from .protocol import (
     Field,
     ProtocolError,
     Request,
+    Schema,
     between,
     check_fields,
     decode_envelope,
@@ -58,6 +59,10 @@ class Op:
     #: the caller may be left holding or waiting on something, whose death the daemon must see: it watches the
     #: caller's pid first (a pidfd, at most --max-processes-per-uid live ones per uid: LIMIT_EXCEEDED past that)
     watches: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "request", Schema(self.request))  # checked on every call: steps read once
+        object.__setattr__(self, "reply", Schema(self.reply))
 
     def answers(self, code: ErrorCode) -> bool:
         return code in COMMON_ERRORS or code in self.errors

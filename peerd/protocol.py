@@ -13,6 +13,7 @@ the field checks.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -168,16 +169,18 @@ def check_fields(where: str, schema: dict[str, Field], body: Any, closed: bool) 
     return clean
 
 
-_compiled: dict[int, tuple[dict[str, Field], list[tuple]]] = {}
+class Schema(dict):
+    """A body's Fields by name, whose checking steps are read off the Fields once: every request and
+    reply of the hot path is checked, and attribute lookups were most of a check's time."""
+
+    @functools.cached_property
+    def steps(self) -> list[tuple]:
+        """(name, field, kind, refuses_bool, check) per field."""
+        return [(name, f, f.kind, f.refuses_bool, f.check) for name, f in self.items()]
 
 
 def _steps(schema: dict[str, Field]) -> list[tuple]:
-    """(name, field, kind, refuses_bool, check) per field of a schema, read off its Fields once: every
-    request and reply of the hot path is checked, and attribute lookups were most of a check's time."""
-    known = _compiled.get(id(schema))
-    if known is None or known[0] is not schema:
-        known = _compiled[id(schema)] = (schema, [(name, f, f.kind, f.refuses_bool, f.check) for name, f in schema.items()])
-    return known[1]
+    return (schema if isinstance(schema, Schema) else Schema(schema)).steps
 
 
 # ---------------------------------------------------------------- envelopes
