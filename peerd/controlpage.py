@@ -177,10 +177,12 @@ own user's sets only (of its other groups too, whose buffers share its
 user's arena chunks anyway: peerd.arena). It reaches no other user's
 group: areas are per (owner uid, page size), and the fd channel hands an
 area only to a pid holding a rank of a set placed in it. The daemon reads
-one word of a page, the commit round's verdict, when it is about to fail
-a set still opening (``close_round``): where it says AGREED the set goes
-live instead, which a member could forge only for its own user's sets; it
-writes a few words and trusts nothing else there.
+the commit round's verdict when it is about to fail a set still opening
+(``close_round``), and the slots' round words: where the verdict says AGREED,
+or every slot is past the commit round (the ranks' tp_agree rounds went once
+round the ring, over its entry), the set goes live instead, which a member
+could forge only for its own user's sets; it writes a few words and trusts
+nothing else there.
 The area is sealed against resizing (a shrunk memfd would SIGBUS the
 daemon and the peers). Nor does anyone count ranks by the header once the
 page is found: a member checks ``npes`` against its group's then (``hold``),
@@ -404,6 +406,12 @@ class ControlPage:
         daemon failed the set. True where the round had already agreed (every rank voted yes)."""
         entry = self.word(verdict_offset(k))
         return _agreed(atomics().compare_exchange(entry, 0, encode_verdict(k, Outcome.ABORTED, DAEMON_RANK)), k)
+
+    def every_rank_past(self, k: int) -> bool:
+        """Whether every rank's slot shows a vote in a round after ``k``: for the commit round, that it
+        agreed, whatever its ring entry holds by now (no rank votes on a page whose commit failed, and
+        RING rounds later the entry is a later round's)."""
+        return all(self.word(slot_offset(r)).value > k for r in range(self.npes))
 
     def round_agreed(self, k: int) -> bool:
         """Whether round ``k`` agreed (every rank voted yes), deciding nothing: a rank's word that it

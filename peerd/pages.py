@@ -225,13 +225,13 @@ class Pages:
         """Before the daemon fails an opening set: whether its commit round on the page agreed already
         (every rank voted yes there, and may have gone on); where it did not, it never can now."""
         entry = self._pages.get(bset.id)
-        return entry is not None and entry.page.close_round(COMMIT_ROUND)
+        return entry is not None and (entry.page.close_round(COMMIT_ROUND) or entry.page.every_rank_past(COMMIT_ROUND))
 
     def commit_seen_agreed(self, bset: BufferSet) -> bool:
         """Whether the set's commit round on the page has agreed, deciding nothing: a rank posting that
         it did is believed only then."""
         entry = self._pages.get(bset.id)
-        return entry is not None and entry.page.round_agreed(COMMIT_ROUND)
+        return entry is not None and (entry.page.round_agreed(COMMIT_ROUND) or entry.page.every_rank_past(COMMIT_ROUND))
 
     def hold_dropped(self, bset: BufferSet, slot: Slot, why: str) -> None:
         """A member died or released: its peers must not wait on it any more."""

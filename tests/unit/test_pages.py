@@ -225,16 +225,23 @@ def test_a_post_that_the_page_does_not_confirm_settles_nothing_and_a_peers_no_st
     assert bset.state.name == "FAILED" and view.aborted().code == AbortCode.SET_FAILED
 
 
-@pytest.mark.parametrize("agreed", [True, False])
+@pytest.mark.parametrize("agreed", [True, "and the ring went round", False])
 def test_an_opening_set_whose_commit_agreed_on_the_page_is_live_though_a_post_never_came(reg, pages, agreed):
     """Its ranks went on: a rank that dies (or stalls past the commit timeout) after its vote on the
-    page and before its post is a live set's member dying. Where the round had not agreed, the daemon
-    closes it (ABORTED) before it fails the set, so no rank can pass it after."""
+    page and before its post is a live set's member dying, even once the ranks' tp_agree rounds went
+    once round the verdict ring, over the commit round's entry (every rank voting in a later round
+    says the commit agreed: no rank votes on a page whose commit failed). Where the round had not
+    agreed, the daemon closes it (ABORTED) before it fails the set, so no rank can pass it after."""
     out = join(reg, 0) + join(reg, 1)
     bset = reg.sets[(None, "g", "n")]
     view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
     if agreed:
         view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 1)
+    if agreed == "and the ring went round":
+        later = cp.COMMIT_ROUND + cp.RING
+        view.word(cp.verdict_offset(later)).value = cp.encode_verdict(later, cp.Outcome.AGREED, 0)
+        for rank in (0, 1):
+            view.word(cp.slot_offset(rank)).value = later
     reg.process_died(101, 1.0)  # rank 1, before its post (and rank 0's not read yet)
     entry = cp.decode_verdict(view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value)
     if agreed:
