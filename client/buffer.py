@@ -183,14 +183,14 @@ class PeerBuffer:
     def _commit_on_page(self, conn: Connection, member: Membership, pointers: list[int], timeout: float) -> dict:
         """The commit vote of a rank that holds the set's control page: its views first, then the vote
         on the page (its round 1), where every rank's vote lands, written by the rank itself or, for a
-        rank without the page, by the daemon on its message. No rank waits for the daemon's answer:
-        the daemon learns this vote from a message posted after it (a round that timed out here is
-        posted as a no, with the reason) and fails the set, aborting the page with the reason, where
-        a rank voted no, died or left."""
+        rank without the page, by the daemon on its message. No rank waits for the daemon, nor tells
+        it a yes: the daemon reads the round off the page (peerd.rendezvous: COMMIT_LOOK_FIRST_S). A
+        round that failed here (it timed out, or a peer voted no) is posted as a no with the reason,
+        and the daemon fails the set, aborting the page with the reason, as where a rank died or left."""
         self._view(pointers)
         verdict = self._link.commit(timeout)
-        if not verdict["aborted"]:  # after the vote, so nobody waits for it; this rank's release follows it
-            conn.post("commit", {**self._held(), "ok": verdict["ok"], "timeout": timeout, "page": True,
+        if not verdict["ok"] and not verdict["aborted"]:  # this rank's release follows it
+            conn.post("commit", {**self._held(), "ok": False, "timeout": timeout, "page": True,
                                  "reason": verdict["reason"][:MAX_REASON_CHARS]})
         return verdict
 

@@ -221,7 +221,7 @@ class Connection:
             return self._call(op, body, max(0.0, timeout - (time.monotonic() - started)), meanwhile)
 
     def post(self, op: str, body: dict[str, Any]) -> None:
-        """Send one request whose answer comes another way (a commit on the control page): the
+        """Send one request whose answer comes another way (a commit's no, from the control page): the
         daemon answers it only with a refusal, which the next call skips as stray. Where another
         thread holds the connection, that thread sends it."""
         with self._owned(0) as held:

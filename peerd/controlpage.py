@@ -37,17 +37,20 @@ the member's):
   any failure costs one WARNING and keeps the message path. A member that
   holds the page votes its commit there as round 1 (COMMIT_ROUND) with
   ``PageVoter(page, rank, label)``, which then runs tp_agree (round k + 1
-  for the k-th call), and posts the vote after (``page: true``, not
-  answered); a member without it commits through a message and the
-  daemon writes its yes on the page (``vote_for``), or fails the set,
-  aborting the page with the reason, on a no. A page post's yes settles
-  the set live once the daemon reads round 1 agreed on the page
-  (``round_agreed``; a post the page does not confirm settles nothing);
-  before the daemon fails a set still opening (a rank died or left
-  unheard, the commit timed out) it closes round 1 (``close_round``), and
-  a round that had agreed makes the set live instead: the ranks went on
-  with it. After the commit, ``unmapped()`` decides for the group (see
-  "The choice" below).
+  for the k-th call), and posts the vote after only where the round failed
+  (``page: true``, ``ok: false`` with the reason, not answered); a member
+  without it commits through a message and the daemon writes its yes on
+  the page (``vote_for``), or fails the set, aborting the page with the
+  reason, on a no. The daemon settles the set live once it reads round 1
+  agreed on the page (``round_agreed``, or every slot past it), looking
+  soon after the handles went out and at doubling intervals after
+  (peerd.rendezvous, COMMIT_LOOK_FIRST_S), and where a yes comes by
+  message (a yes the page does not confirm settles nothing); before the
+  daemon fails a set still opening (a rank died or left unheard, the
+  commit timed out) it closes round 1 (``close_round``), and a round that
+  had agreed makes the set live instead: the ranks went on with it. After
+  the commit, ``unmapped()`` decides for the group (see "The choice"
+  below).
 * daemon: ``page.abort(AbortCode.MEMBER_DIED | MEMBER_LEFT | EVICTED |
   SET_FAILED | SHUTDOWN, reason)`` when a member dies or leaves, before an
   evict frees anything, when a set of the group fails, and at shutdown;

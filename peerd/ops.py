@@ -160,7 +160,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        registry=True, watches=True),
     Op("commit", "Vote that this rank opened every peer's handle (or why it could not); the reply is the "
        "set's verdict. With `page` true the rank voted on the set's control page and had the verdict there: "
-       "nothing answers it but a refusal, and its yes counts once the page shows the round agreed.",
+       "nothing answers it but a refusal, and a yes counts once the page shows the round agreed (peerd_client "
+       "posts only a no: the daemon reads a yes off the page).",
        {**_SLOT, "ok": Field(bool), "reason": Field(str, _reason, ""), "timeout": _TIMEOUT,
         "page": Field(bool, None, False), "set": _SET},
        _VERDICT,

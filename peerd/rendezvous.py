@@ -66,6 +66,13 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 #: what a process refused a rank it still holds can do
 CLOSE_FIRST = "; close that PeerBuffer first, or pass another name="
 
+#: The daemon's looks at an opening set's commit round on its control page. Its ranks post only a no
+#: (a round that failed there, with the reason), so a yes is read off the page: first this soon after
+#: the handles went out (the ranks vote within about a millisecond of them), then at intervals doubling
+#: up to the longest, until the set is live or failed. Nobody waits on the look: the ranks went on.
+COMMIT_LOOK_FIRST_S = 0.002
+COMMIT_LOOK_LONGEST_S = 1.0
+
 
 def _still_held(caller: Caller, bset: BufferSet, held: Slot, advice: str) -> Send:
     """RANK_TAKEN: the rank this caller asks for is held in ``bset``."""
@@ -178,7 +185,7 @@ class Rendezvous:
         self._unwait(bset)
         for handle in waiting:
             self._unready.add(handle, bset.id, bset)
-        return [] if waiting else self._open(bset)
+        return [] if waiting else self._open(bset, now)
 
     def _unwait(self, bset: BufferSet) -> None:
         for s in bset.slots.values():
@@ -268,7 +275,7 @@ class Rendezvous:
         self.index.add(bset)
         return bset
 
-    def _open(self, bset: BufferSet) -> Outbox:
+    def _open(self, bset: BufferSet, now: float) -> Outbox:
         """Every rank joined: hand every rank every rank's handle in one reply."""
         bset.move(State.OPENING)
         self._timers.cancel(*bset.timers)
@@ -291,6 +298,7 @@ class Rendezvous:
         page = self.pages.place(bset)  # where its control page is; none: the group agrees through messages
         if page is not None:
             body["page"] = page
+            self._look_at_commit_later(bset, now, COMMIT_LOOK_FIRST_S)
         superseded = self._superseded_by(bset)
         if superseded:
             body["supersedes"] = superseded
@@ -388,14 +396,30 @@ class Rendezvous:
             timeout = req["timeout"] or self._waits.agreement
             timer = self._timers.at(now + timeout, lambda t, b=bset: self._commit_due(b, timeout))
             bset.commit.on_settle = lambda: self._timers.cancel(timer)
-        if req["ok"] and not on_page:
-            self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too
+        if req["ok"] and not on_page and self.pages.holds(bset):
+            self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too,
+            self._look_at_commit_later(bset, now, COMMIT_LOOK_FIRST_S)  # and settle the round there soon
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], None if on_page else caller)
         if bset.commit.result is None:
             if not req["ok"]:  # a no decides the set: fail fast, with its reason
                 out += bset.commit.finish(False, bset.commit.reason)
-            elif on_page and self.pages.commit_seen_agreed(bset):  # every rank voted yes there; a post
-                out += bset.commit.finish(True, "")  # the page does not confirm settles nothing (the timer does)
+            elif self.pages.commit_seen_agreed(bset):  # every rank voted yes there (a yes by message was just
+                # written there); a yes the page does not confirm settles nothing (the looks or the timer do)
+                out += bset.commit.finish(True, "")
+        self._settled(bset)
+        return out
+
+    def _look_at_commit_later(self, bset: BufferSet, now: float, wait: float) -> None:
+        self._timers.at(now + wait, lambda t: self._look_at_commit(bset, t, wait))
+
+    def _look_at_commit(self, bset: BufferSet, now: float, waited: float) -> Outbox:
+        """An opening set whose commit round agreed on its page goes live; else look again later."""
+        if bset.state is not State.OPENING or bset.commit.result is not None:
+            return []
+        if not self.pages.commit_seen_agreed(bset):
+            self._look_at_commit_later(bset, now, min(2 * waited, COMMIT_LOOK_LONGEST_S))
+            return []
+        out = bset.commit.finish(True, "")  # answers the ranks that voted through a message, if any
         self._settled(bset)
         return out
 
@@ -413,8 +437,8 @@ class Rendezvous:
 
     def _fail_opening(self, bset: BufferSet, code: ErrorCode, message: str, now: float | None = None) -> Outbox:
         """Fail a set whose handles went out and whose commit is open (it timed out, a rank died or
-        left unheard), unless its commit round on the page agreed: the ranks went on with it, whatever
-        posts the daemon has not read (still on their way, or lost with their rank), so it is live."""
+        left unheard), unless its commit round on the page agreed: the ranks went on with it, whether
+        or not the daemon looked at the page yet, so it is live."""
         if not self.pages.commit_agreed(bset):
             return self._fail(bset, code, message, now=now)
         out = bset.commit.finish(True, "")

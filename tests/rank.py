@@ -403,8 +403,8 @@ def call(args) -> dict:
 
 
 STEPS = ("before_join", "in_rendezvous", "after_handles", "in_agreement", "after_ready", "in_close")
-#: steps of the page path only: after its commit vote on the set's control page, before the post
-PAGE_STEPS = ("in_commit_post",)
+#: steps of the page path only: right after its commit vote on the set's control page
+PAGE_STEPS = ("after_page_vote",)
 
 
 def chaos(args) -> dict:
@@ -430,8 +430,14 @@ def chaos(args) -> dict:
         cache = buffer_module.mappings
         patched = "open" if args.die_at == "after_handles" else "close"
         setattr(cache, patched, die)
-    if args.die_at == "in_commit_post":
-        buffer_module.Connection.post = die
+    if args.die_at == "after_page_vote":
+        vote = buffer_module.GroupLink.commit
+
+        def vote_then_die(link, timeout):
+            vote(link, timeout)
+            die()
+
+        buffer_module.GroupLink.commit = vote_then_die
     start, stage, agreed = time.monotonic(), "join", None
     try:
         buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)

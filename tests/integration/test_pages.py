@@ -300,15 +300,15 @@ def test_a_rank_killed_while_its_peers_wait_in_the_host_all_reduce_makes_them_ra
         m.end()
 
 
-def test_a_rank_killed_between_its_commit_vote_on_the_page_and_its_post_leaves_a_live_set_that_aborts(daemon):
-    """Its peers' round agreed, so they went on: the set is live (the survivors' posts say so; where
-    none came either, the daemon finds the round agreed on the page: tests/unit/test_pages.py), and
-    the death aborts the group like any member's, never failing the set under built buffers."""
-    group = "killed-posting"
+def test_a_rank_killed_right_after_its_commit_vote_on_the_page_leaves_a_live_set_that_aborts(daemon):
+    """Its peers' round agreed, so they went on: the set is live (the daemon reads the round off the
+    page, whether its look or the death comes first: tests/unit/test_pages.py), and the death aborts
+    the group like any member's, never failing the set under built buffers."""
+    group = "killed-voting"
     procs = [start_rank(daemon, "chaos", r, 3, "--group", group, "--timeout", "4",
-                        *(("--die-at", "in_commit_post") if r == 2 else ())) for r in range(3)]
+                        *(("--die-at", "after_page_vote") if r == 2 else ())) for r in range(3)]
     survivors = [finish(p, timeout=60) for p in procs[:2]]
-    assert procs[2].wait(timeout=60) == -signal.SIGKILL, "the victim did not die at its post"
+    assert procs[2].wait(timeout=60) == -signal.SIGKILL, "the victim did not die after its vote"
     for result in survivors:
         assert (result["stage"], result["agreed"], result["page"]) == ("done", False, True), result
         assert result["elapsed"] < 4 + 3, result

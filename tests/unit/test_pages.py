@@ -14,6 +14,7 @@ from peerd.fdroom import FdRoom
 from peerd.pages import LEAVE_GRACE_S, SPARE_AREAS_PER_UID, Pages
 from peerd.protocol import ErrorCode, ProtocolError
 from peerd.registry import Registry
+from peerd.rendezvous import COMMIT_LOOK_FIRST_S
 from tests.unit.test_groups import FakeMemory, agree, bodies, commit, errors, join, release, who
 
 
@@ -223,6 +224,34 @@ def test_a_post_that_the_page_does_not_confirm_settles_nothing_and_a_peers_no_st
     answered = bodies(commit(reg, 1, ok=False, reason="cannot map peer 0"))
     assert answered == {("v", 1): {"ok": False, "reason": "rank 1: cannot map peer 0"}}
     assert bset.state.name == "FAILED" and view.aborted().code == AbortCode.SET_FAILED
+
+
+def test_a_set_whose_commit_agreed_on_the_page_goes_live_at_the_daemons_look_with_no_post(reg, pages):
+    """Its ranks tell the daemon only a no: a yes is read off the page, first COMMIT_LOOK_FIRST_S after
+    the handles went out, then at doubling intervals while the round is open, until it agreed."""
+    out = join(reg, 0) + join(reg, 1)
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
+    assert reg.next_deadline() == pytest.approx(COMMIT_LOOK_FIRST_S)
+    assert reg.expire(COMMIT_LOOK_FIRST_S) == [] and bset.state.name == "OPENING", "the ranks have not voted yet"
+    assert reg.next_deadline() == pytest.approx(3 * COMMIT_LOOK_FIRST_S), "the next look, twice as long after"
+    view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 0)
+    assert reg.expire(3 * COMMIT_LOOK_FIRST_S) == [] and bset.state.name == "LIVE"
+    assert reg.next_deadline() is None or reg.next_deadline() > 100, "no more looks once it is live"
+
+
+def test_a_yes_by_message_beside_page_voters_is_answered_once_the_round_agrees_on_the_page(reg, pages):
+    """A rank without the page votes through a message and waits for the verdict; its peers on the page
+    post nothing, so the daemon looks at the page soon after the message's vote lands there."""
+    out = join(reg, 0) + join(reg, 1)
+    bset = reg.sets[(None, "g", "n")]
+    view = member_view(pages, bset, bodies(out)[("c", 0)]["page"])
+    for look in range(12):  # the looks have grown far apart before the message comes
+        reg.expire(2.0 ** look)
+    assert commit(reg, 1, now=5000.0) == [] and view.word(cp.slot_offset(1)).value == cp.COMMIT_ROUND
+    view.word(cp.verdict_offset(cp.COMMIT_ROUND)).value = cp.encode_verdict(cp.COMMIT_ROUND, cp.Outcome.AGREED, 0)
+    assert bodies(reg.expire(5000.0 + COMMIT_LOOK_FIRST_S)) == {("v", 1): {"ok": True, "reason": ""}}
+    assert bset.state.name == "LIVE"
 
 
 @pytest.mark.parametrize("agreed", [True, "and the ring went round", False])
