@@ -396,9 +396,9 @@ class Rendezvous:
             timeout = req["timeout"] or self._waits.agreement
             timer = self._timers.at(now + timeout, lambda t, b=bset: self._commit_due(b, timeout))
             bset.commit.on_settle = lambda: self._timers.cancel(timer)
-        if req["ok"] and not on_page and self.pages.holds(bset):
-            self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too,
-            self._look_at_commit_later(bset, now, COMMIT_LOOK_FIRST_S)  # and settle the round there soon
+        by_message_on_page = req["ok"] and not on_page and self.pages.holds(bset)
+        if by_message_on_page:
+            self.pages.committed(bset, req["rank"])  # its peers that wait on the page count it too
         out = bset.commit.vote(req["rank"], req["ok"], req["reason"], None if on_page else caller)
         if bset.commit.result is None:
             if not req["ok"]:  # a no decides the set: fail fast, with its reason
@@ -406,6 +406,8 @@ class Rendezvous:
             elif self.pages.commit_seen_agreed(bset):  # every rank voted yes there (a yes by message was just
                 # written there); a yes the page does not confirm settles nothing (the looks or the timer do)
                 out += bset.commit.finish(True, "")
+            elif by_message_on_page:  # its caller waits: the round is settled on the page soon, looked at then
+                self._look_at_commit_later(bset, now, COMMIT_LOOK_FIRST_S)
         self._settled(bset)
         return out
 
