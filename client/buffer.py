@@ -78,8 +78,7 @@ class PeerBuffer:
         self._handles: list[bytes] = []
         self._chunks: list[ChunkKey] = []
         self._link: GroupLink | None = None
-        self._addresses = self._addresses_copied = None  # a torch.cuda.Event: the address copy, until seen complete
-        self._copy_event = None  # that event, made while the daemon answers the join (_ready_views)
+        self._addresses_copied = None  # a torch.cuda.Event: the address copy, until it is seen complete
         self._released = True
         self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
@@ -105,7 +104,6 @@ class PeerBuffer:
                     **({"own_pid": claim} if (claim := own_pid()) else {}),
                 },
                 timeout=wait,
-                meanwhile=self._ready_views,
             )
         except DaemonUnavailable as err:
             conn.send_later("release", self._slot(member))  # whatever the daemon still holds for this rank
@@ -194,33 +192,18 @@ class PeerBuffer:
                                  "reason": verdict["reason"][:MAX_REASON_CHARS]})
         return verdict
 
-    def _ready_views(self) -> None:
-        """While the daemon answers the join: the device's side of the views readied (the addresses'
-        tensor allocated, the event that will mark their copy made and recorded once), so the set's
-        first device calls after an idle spell overlap the rendezvous instead of following it."""
-        if self.device.type != "cuda":
-            return
-        torch = require_torch()
-        self._addresses = torch.empty(self.npes, dtype=torch.int64, device=self.device)
-        self._copy_event = torch.cuda.Event()
-        self._copy_event.record(torch.cuda.current_stream(self.device))
-
     def _view(self, pointers: list[int]) -> None:
         """The views of the mapped set: made before the vote on the page, or while the daemon collects
         the votes; dropped if the commit fails."""
         self._pointers = pointers
         self._local = pointers[self.rank]
         torch = require_torch()
-        host = torch.tensor(pointers, dtype=torch.int64)
-        if self.device.type != "cuda":
-            self._addresses = host
-            return
         # queued on the device's current stream, not waited for: with several processes on one GPU a
         # blocking copy waits for this context's time slice (about 0.8 ms of an 8-rank setup on an H200)
-        stream = torch.cuda.current_stream(self.device)
-        self._addresses.copy_(host, non_blocking=True)
-        self._copy_event.record(stream)
-        self._addresses_copied = self._copy_event
+        self._addresses = torch.tensor(pointers, dtype=torch.int64).to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._addresses_copied = torch.cuda.Event()
+            self._addresses_copied.record(torch.cuda.current_stream(self.device))
 
     def _take_part(self, conn, member: Membership, device, where: str) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
@@ -349,7 +332,7 @@ class PeerBuffer:
     def _close(self, wait: bool, collected: bool = False) -> None:
         if os.getpid() != self._pid:
             return  # a forked child holds nothing of its parent's
-        self._bytes = self._addresses = self._addresses_copied = self._copy_event = None
+        self._bytes = self._addresses = self._addresses_copied = None
         self._local, self._pointers = 0, []
         chunks, self._chunks, self._handles = self._chunks, [], []
         link, self._link = self._link, None
