@@ -223,13 +223,13 @@ class Pages:
 
     def commit_agreed(self, bset: BufferSet) -> bool:
         """Before the daemon fails an opening set: whether its commit round on the page agreed already
-        (every rank voted yes there, and may have gone on); where it did not, it never can now."""
+        (every rank voted yes there, and may have gone on past it); where it did not, it never can now."""
         entry = self._pages.get(bset.id)
         return entry is not None and (entry.page.close_round(COMMIT_ROUND) or entry.page.every_rank_past(COMMIT_ROUND))
 
     def commit_seen_agreed(self, bset: BufferSet) -> bool:
-        """Whether the set's commit round on the page has agreed, deciding nothing: a rank posting that
-        it did is believed only then."""
+        """Whether the set's commit round on the page has agreed (or every rank went past it), deciding
+        nothing: the daemon's looks, and a yes by message or post, settle the set live only then."""
         entry = self._pages.get(bset.id)
         return entry is not None and (entry.page.round_agreed(COMMIT_ROUND) or entry.page.every_rank_past(COMMIT_ROUND))
 
