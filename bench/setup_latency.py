@@ -88,7 +88,6 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
         timed(pagelink.Area, "attach", "page mapped")
         timed(pagelink, "_DaemonWatch", "daemon watched")
         timed(PeerBuffer, "_view", "views built", method=True)
-        timed(Connection, "post", "commit posted", method=True)
         timed(pagelink.GroupLink, "commit", "commit voted on the page", method=True)
 
         def record(path, i, instant, late):

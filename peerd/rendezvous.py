@@ -421,7 +421,12 @@ class Rendezvous:
         if not self.pages.commit_seen_agreed(bset):
             self._look_at_commit_later(bset, now, min(2 * waited, COMMIT_LOOK_LONGEST_S))
             return []
-        out = bset.commit.finish(True, "")  # answers the ranks that voted through a message, if any
+        return self._agreed_on_page(bset)
+
+    def _agreed_on_page(self, bset: BufferSet) -> Outbox:
+        """Its commit round agreed on the page: the set goes live, and the ranks that voted through a
+        message, if any, hear it."""
+        out = bset.commit.finish(True, "")
         self._settled(bset)
         return out
 
@@ -443,9 +448,7 @@ class Rendezvous:
         or not the daemon looked at the page yet, so it is live."""
         if not self.pages.commit_agreed(bset):
             return self._fail(bset, code, message, now=now)
-        out = bset.commit.finish(True, "")
-        self._settled(bset)
-        return out
+        return self._agreed_on_page(bset)
 
     def _commit_due(self, bset: BufferSet, timeout: float) -> Outbox:
         if bset.commit is None or bset.commit.result is not None:
