@@ -147,7 +147,7 @@ def command_line() -> str:
 def measure_each_n(name: str, info: dict, args, measure) -> None:
     """Run measure(npes, args) for every N of --ranks against one daemon, saving after each N
     (what is done survives a later overrun); the daemon's exit status goes into info."""
-    with Daemon(args.backend) as daemon:
+    with Daemon(args.backend, timeline=getattr(args, "timeline_file", None)) as daemon:
         for npes in parse_ints(args.ranks):
             t0 = time.monotonic()
             info["by_n"][str(npes)] = measure(npes, args)
@@ -249,12 +249,14 @@ class Daemon:
     """``python -m peerd serve`` on a private socket under /tmp (short: < 108 bytes)."""
 
     def __init__(self, backend: str = "host", log_level: str = "info", args: tuple[str, ...] = (),
-                 env: dict | None = None):
+                 env: dict | None = None, timeline: str | None = None):
         self.dir = tempfile.mkdtemp(prefix="pb-", dir="/tmp")
         self.socket = os.path.join(self.dir, "peerd.sock")
         self.log = Path(self.dir) / "daemon.log"
         self.backend = backend
-        self.command = [sys.executable, "-m", "peerd", "serve", "--backend", backend, "--socket", self.socket,
+        # timeline: a file the daemon writes its requests' times to when it stops (bench/_daemon_timeline.py)
+        runs = [str(ROOT / "bench" / "_daemon_timeline.py"), timeline] if timeline else ["-m", "peerd"]
+        self.command = [sys.executable, *runs, "serve", "--backend", backend, "--socket", self.socket,
                         "--log-level", log_level, *args]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None

@@ -23,15 +23,20 @@ Paths, measured in the same run, alternating iteration by iteration:
     seed warm         allocate + all_gather_object + open + all_reduce(MIN)
 
 Teardown (close, destroy_process_group) happens after every rank recorded
-its time and is not measured. Prints p50 / p90 in ms and the ratios
+its time and is not measured. ``--timeline`` runs the daemon under
+bench/_daemon_timeline.py and adds its side of each peerd path's joins:
+when it began the first and the last, when it was done with the last
+(the set opened), when the replies were out, and the CPU a join took. Prints p50 / p90 in ms and the ratios
 peerd / seed; writes the samples as JSON (bench/results/ by default).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -42,6 +47,14 @@ COLD = ("peerd first use", "seed cold")
 WARM = ("peerd", "peerd next set", "seed warm")
 #: "peerd next set": another buffer set of a group this process already holds one of (a new name),
 #: as an engine makes its signal pads and then its data buffers; "peerd": a new group every time
+
+
+def set_of(path: str, npes: int, i: int) -> tuple[str, str]:
+    """The group and name of a peerd path's set in iteration ``i``: a new group each time, or the
+    next set of one group."""
+    if path == "peerd next set":
+        return f"setup-{npes}-next", f"set-{i}"
+    return f"setup-{npes}-{path.replace(' ', '')}-{i}", "default"
 
 
 def worker(rank, npes, args, start: C.Start, ports, results) -> None:
@@ -93,13 +106,11 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
         def record(path, i, instant, late):
             done = time.monotonic()
             phases = {k: v - instant for k, v in marks.items()}
-            samples.append((path, i, done - instant, late, phases))
+            samples.append((path, i, done - instant, late, phases, instant))
             marks.clear()
 
         def run_peerd(path, i):
-            key, name = f"setup-{npes}-{path.replace(' ', '')}-{i}", "default"
-            if path == "peerd next set":
-                key, name = f"setup-{npes}-next", f"set-{i}"
+            key, name = set_of(path, npes, i)
             instant, late = start.wait(rank)
             marks.clear()
             buf = PeerBuffer(args.nbytes, key, rank, npes, device, name=name)
@@ -167,11 +178,12 @@ def measure(npes: int, args) -> dict:
     for p in procs:
         p.join(30)
     # a sample: the slowest rank's time for one path and iteration (warm-up iterations dropped)
-    per, late, phases = {}, {}, {}
+    per, late, phases, instants = {}, {}, {}, {}
     for samples in got.values():
-        for path, i, elapsed, lag, marks in samples:
+        for path, i, elapsed, lag, marks, instant in samples:
             if i < args.warmup:
                 continue
+            instants.setdefault(path, {})[i] = instant
             per.setdefault(path, {}).setdefault(i, []).append(elapsed)
             late[path] = max(late.get(path, 0.0), lag)
             for what, t in marks.items():  # the slowest rank's mark, per iteration
@@ -180,17 +192,53 @@ def measure(npes: int, args) -> dict:
     out = {}
     for path, by_iter in per.items():
         slowest = [max(v) for v in by_iter.values()]
-        out[path] = {**C.summary(slowest), "samples": slowest, "max_start_lag": late[path],
+        out[path] = {**C.summary(slowest), "samples": slowest, "max_start_lag": late[path], "instants": instants[path],
                      "phases_p50": {what: C.quantile(list(v.values()), 0.5)
                                     for what, v in sorted(phases.get(path, {}).items(), key=lambda kv: C.quantile(list(kv[1].values()), 0.5))}}
     return out
 
 
+def daemon_side(info: dict, timeline: str) -> dict:
+    """Per N and peerd path, p50 over iterations of the daemon's side of the joins (ms from the common
+    start; CPU in ms): rows from bench/_daemon_timeline.py, matched to a set by its group and name."""
+    rows = [json.loads(line) for line in open(timeline)]
+    joins: dict = {}
+    for n, row in enumerate(rows):  # ("handle", op, group, name, rank, began, ended, cpu)
+        if row[0] == "handle" and row[1] == "join":
+            joins.setdefault((row[2], row[3]), []).append(n)
+    side: dict = {}
+    for npes, paths in info["by_n"].items():
+        for path in ("peerd first use", "peerd", "peerd next set"):
+            marks: dict = {}
+            for i, instant in paths[path]["instants"].items():
+                at = joins.get(set_of(path, int(npes), int(i)), [])
+                if len(at) != int(npes):
+                    continue
+                first, last = rows[at[0]], rows[at[-1]]
+                # the replies: the first batch of npes or more sent after the last join (there, or once the
+                # backend had the memory ready: peerd.rendezvous memory_ready)
+                sent = next((r for r in rows[at[-1] + 1:] if r[0] == "deliver" and r[1] >= int(npes)), None)
+                for what, t in (("began the first join", first[5] - instant),
+                                ("began the last join", last[5] - instant),
+                                ("done with the last join", last[6] - instant),
+                                ("replies sent", sent[3] - instant if sent else None),
+                                ("CPU of a join but the last", sum(rows[k][7] for k in at[:-1]) / (len(at) - 1)
+                                 if len(at) > 1 else None),
+                                ("CPU of the last join (opens the set)", last[7])):
+                    if t is not None:
+                        marks.setdefault(what, []).append(t)
+            side.setdefault(npes, {})[path] = {what: C.quantile(v, 0.5) for what, v in marks.items()}
+    return side
+
+
 def main() -> None:
     parser = C.setup_parser(__doc__, ranks="2,4,8", iters=20, warmup=2, lead=0.03, timeout=900,
                             nbytes_help="bytes per rank (default 1 MiB host, 2 MiB cuda)")
+    parser.add_argument("--timeline", action="store_true", help="the daemon's side of the joins, too")
     args = parser.parse_args()
     args.nbytes = args.nbytes or (2 * C.MiB if args.backend == "cuda" else C.MiB)
+    if args.timeline:
+        args.timeline_file = os.path.join(tempfile.mkdtemp(prefix="pb-timeline-"), "daemon.jsonl")
 
     info = {"bench": "setup_latency", "machine": C.machine(), "backend": args.backend,
             "command": C.command_line(), "nbytes": args.nbytes, "iters": args.iters, "by_n": {}}
@@ -217,6 +265,11 @@ def main() -> None:
     for path, r in info["by_n"][n].items():
         print(f"  {path:16s} " + ", ".join(f"{what} {C.ms(t)}" for what, t in r["phases_p50"].items())
               + f", done {C.ms(r['p50'])}")
+    if args.timeline:
+        info["daemon_p50"] = daemon_side(info, args.timeline_file)
+        print(f"\nthe daemon's side at N={n} (bench/_daemon_timeline.py): p50 over iterations, ms from the start")
+        for path, r in info["daemon_p50"][n].items():
+            print(f"  {path:16s} " + ", ".join(f"{what} {C.ms(t)}" for what, t in r.items()))
     print("\ntargets (issue 17): warm p50 <= 1.0 ms and <= 0.1x the seed's warm exchange at 8 ranks; "
           "first use <= 3 ms plus one open per chunk")
     for n, paths in info["by_n"].items():
