@@ -23,11 +23,14 @@ Paths, measured in the same run, alternating iteration by iteration:
     seed warm         allocate + all_gather_object + open + all_reduce(MIN)
 
 Teardown (close, destroy_process_group) happens after every rank recorded
-its time and is not measured. ``--timeline`` runs the daemon under
-bench/_daemon_timeline.py and adds its side of each peerd path's joins:
-when it began the first and the last, when it was done with the last
-(the set opened), when the replies were out, and the CPU a join took. Prints p50 / p90 in ms and the ratios
+its time and is not measured. Prints p50 / p90 in ms and the ratios
 peerd / seed; writes the samples as JSON (bench/results/ by default).
+
+``--timeline`` runs the daemon under bench/_daemon_timeline.py and adds
+its side of each peerd path's joins: when it began the first and the last,
+when it was done with the last (the set opened there, unless the backend
+was still reserving its memory), when the replies were out, and the CPU a
+join took.
 """
 
 from __future__ import annotations
@@ -192,7 +195,8 @@ def measure(npes: int, args) -> dict:
     out = {}
     for path, by_iter in per.items():
         slowest = [max(v) for v in by_iter.values()]
-        out[path] = {**C.summary(slowest), "samples": slowest, "max_start_lag": late[path], "instants": instants[path],
+        out[path] = {**C.summary(slowest), "samples": slowest, "max_start_lag": late[path],
+                     "instants": instants[path],  # the common start of each iteration: --timeline lines up by it
                      "phases_p50": {what: C.quantile(list(v.values()), 0.5)
                                     for what, v in sorted(phases.get(path, {}).items(), key=lambda kv: C.quantile(list(kv[1].values()), 0.5))}}
     return out
