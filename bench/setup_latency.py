@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -271,6 +272,7 @@ def main() -> None:
               + f", done {C.ms(r['p50'])}")
     if args.timeline:
         info["daemon_p50"] = daemon_side(info, args.timeline_file)
+        shutil.rmtree(os.path.dirname(args.timeline_file))
         print(f"\nthe daemon's side at N={n} (bench/_daemon_timeline.py): p50 over iterations, ms from the start")
         for path, r in info["daemon_p50"][n].items():
             print(f"  {path:16s} " + ", ".join(f"{what} {C.ms(t)}" for what, t in r.items()))
