@@ -61,11 +61,14 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol
+from typing import Any, Container, Iterable, Protocol
 
 from .index import Index, tally
 from .sizes import human
+
+log = logging.getLogger("peerd.arena")
 
 # Note [No free under a mapping]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -76,7 +79,9 @@ from .sizes import human
 # handles go out) and goes back to the driver only once it is empty AND every one of those
 # processes has exited (``process_gone``). A dedicated chunk (one buffer) needs no such
 # record: every member unmaps it before it releases its hold, and it is freed once no rank
-# holds it, as any buffer always was. Where the mapping itself keeps memory alive (memfds:
+# holds it, as any buffer always was; but an eviction takes the hold from members that still
+# map it, so ``release`` is told those live pids (``mapped_by``) and a chunk of any kind then
+# goes back only once they have exited. Where the mapping itself keeps memory alive (memfds:
 # ``ChunkSource.free_needs_unmapped`` False), none of this applies and chunks go back as
 # soon as they are idle.
 
@@ -268,13 +273,16 @@ class Arenas:
 
     def handed(self, placements: list[Placement], pids: list[int]) -> None:
         """These processes were handed these buffers' chunks and may map them until they exit."""
+        for placement in placements:
+            if not placement.chunk.dedicated:
+                self._mapped_by(placement.chunk, pids)
+
+    def _mapped_by(self, chunk: Chunk, pids: Iterable[int]) -> None:
+        """These live processes may map ``chunk`` until they exit: see Note [No free under a mapping]."""
         if self._source.free_needs_unmapped:
-            for placement in placements:
-                chunk = placement.chunk
-                if not chunk.dedicated:
-                    chunk.mappers.update(pids)
-                    for pid in pids:
-                        self._mapped.add(pid, chunk.id, chunk)
+            chunk.mappers.update(pids)
+            for pid in pids:
+                self._mapped.add(pid, chunk.id, chunk)
 
     def process_gone(self, pid: int, now: float) -> list[Chunk]:
         """A process exited, and its mappings with it; the chunks that could go back now and did."""
@@ -294,8 +302,9 @@ class Arenas:
         """Shutdown begins: see the rule "Nothing zeroed at shutdown"."""
         self._stopping = True
 
-    def release(self, placement: Placement, now: float) -> None:
-        """A buffer nobody holds any more: zero its range for the next one, or free its own chunk."""
+    def release(self, placement: Placement, now: float, mapped_by: Iterable[int] = ()) -> None:
+        """A buffer nobody holds any more: zero its range for the next one, or free its own chunk.
+        ``mapped_by``: live processes that hold it no more but may still map it (an eviction's)."""
         chunk = placement.chunk
         size = chunk.used.pop(placement.offset)
         if self._stopping:
@@ -305,8 +314,12 @@ class Arenas:
             if not chunk.used:
                 self._drop(chunk)  # no process was handed it: its handles never went out
             return
-        if chunk.dedicated or (self.idle_s == 0 and not chunk.used and not chunk.mappers):
+        self._mapped_by(chunk, mapped_by)
+        if (chunk.dedicated or self.idle_s == 0) and not chunk.used and not chunk.mappers:
             self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
+            return
+        if chunk.dedicated:  # never placed in again: it goes back once its last mapper exits
+            chunk.empty_since = now
             return
         if not chunk.used:
             chunk.empty_since = now
@@ -320,16 +333,19 @@ class Arenas:
         return self._free_idle(self.chunks.values(), now)
 
     def _free_idle(self, chunks: Iterable[Chunk], now: float) -> list[Chunk]:
-        """Free those of ``chunks`` empty for ``idle_s`` or longer that no live process maps; those freed."""
-        idle = [c for c in chunks if c.empty_since is not None and now - c.empty_since >= self.idle_s and not c.mappers]
+        """Free those of ``chunks`` empty for ``idle_s`` or longer (a chunk of its own: at all) that no live
+        process maps; those freed."""
+        idle = [c for c in chunks if c.empty_since is not None and not c.mappers
+                and (c.dedicated or now - c.empty_since >= self.idle_s)]
         for chunk in idle:
             self._drop(chunk)
         return idle
 
-    def trim(self) -> list[Chunk]:
-        """Free every empty chunk no live process maps, now (eviction, shutdown); those freed."""
-        empty = [c for c in self.chunks.values()
-                 if not c.used and not c.mappers and c.id not in self._left_at_shutdown]
+    def trim(self, uids: Container[int | None] | None = None) -> list[Chunk]:
+        """Free every empty chunk no live process maps (of ``uids`` alone, if given), now: after an
+        eviction, at shutdown, or where a chunk could not be had; those freed."""
+        empty = [c for c in self.chunks.values() if not c.used and not c.mappers
+                 and c.id not in self._left_at_shutdown and (uids is None or c.uid in uids)]
         for chunk in empty:
             self._drop(chunk)
         return empty
@@ -340,12 +356,19 @@ class Arenas:
         return min(times, default=None)
 
     def _drop(self, chunk: Chunk) -> None:
+        """Forget the chunk, then give it back to the driver. A driver that refuses (a device fault) costs
+        that chunk's memory, logged; never the other chunks being freed, nor the death, eviction or
+        shutdown that freed them."""
         del self.chunks[chunk.id]
         tally(self._reserved, chunk.uid, -chunk.size)
         self._shared.discard((chunk.uid, chunk.device, chunk.flags), chunk.id)
         for pid in chunk.mappers:
             self._mapped.discard(pid, chunk.id)
-        self._source.free_chunk(chunk.token)
+        try:
+            self._source.free_chunk(chunk.token)
+        except Exception:
+            log.exception("giving chunk %d of uid %s on %s (%s) back to the driver failed; it is forgotten",
+                          chunk.id, chunk.uid, chunk.device, human(chunk.size))
 
     def usage(self) -> list[dict[str, Any]]:
         """Reserved vs handed-out bytes by (device, uid): what status and the metrics show."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .backends.allocation import Allocation
 from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
@@ -36,7 +36,7 @@ from .timers import Timers, Waits
 log = logging.getLogger("peerd.rendezvous")
 
 Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
-Free = Callable[[Allocation], None]
+Free = Callable[[Allocation, Sequence[int]], None]  # (buffer, live pids an eviction took it from: they may map it)
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
 Left = Callable[["int | None", str, int, int, str], Outbox]  # (owner uid, group, rank, pid, reason): it left the group
@@ -544,14 +544,15 @@ class Rendezvous:
         reason = f"rank {rank} (pid {slot.pid}) {why} {bset.label} while its peers still held it, and left the group"
         return self._left(bset.owner_uid, group, rank, slot.pid, reason)
 
-    def _free_set(self, bset: BufferSet) -> None:
+    def _free_set(self, bset: BufferSet, mapped_by: Sequence[int] = ()) -> None:
+        """Free every rank's buffer; ``mapped_by``: the live processes an eviction took the set from."""
         self.pages.set_freed(bset)  # its abort word is set before any memory goes
         for s in bset.slots.values():
             if s.allocation is not None:
                 allocation, s.allocation = s.allocation, None
                 self._quotas.charge(s.uid, allocation.device, -allocation.size)
                 try:
-                    self._free(allocation)
+                    self._free(allocation, mapped_by)
                 except Exception:  # a failing driver must not strand the rest of the set
                     log.exception("%s: freeing rank %d's buffer failed", bset.label, s.rank)
         log.info("%s freed", bset.label)
@@ -580,15 +581,18 @@ class Rendezvous:
             if uid is not None and bset.owner_uid != uid:
                 continue
             holders = {str(s.rank): s.pid for s in bset.holding_slots()}
+            # those that were handed the handles may map the memory until they exit: none of it goes to the
+            # driver under them (peerd.arena: Note [No free under a mapping])
+            mapped_by = list(holders.values()) if bset.commit is not None else []
             message = f"{bset.label} was evicted by an administrator"
             self.pages.evicted(bset)  # kernels polling the abort word stop before the memory is freed
             out += self._fail(bset, ErrorCode.GROUP_FAILED, message, keep=False)  # forgotten just below
             for slot in bset.slots.values():
                 self.index.let_go(bset, slot)
-            self._free_set(bset)
+            self._free_set(bset, mapped_by)
             self._forget(bset)
-            log.warning("%s of uid %s evicted; pids %s held it and may still touch the freed memory",
-                        bset.label, bset.owner_uid, sorted(holders.values()))
+            log.warning("%s of uid %s evicted; pids %s held it and may still touch its memory until they exit "
+                        "(no other uid gets it before)", bset.label, bset.owner_uid, sorted(holders.values()))
             evicted.append({"group": bset.group, "name": bset.name, "uid": bset.owner_uid, "holders": holders})
         return out, evicted
 

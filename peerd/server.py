@@ -91,6 +91,13 @@ class Route(NamedTuple):
 Handler = Callable[[Route, Credentials, dict], Outbox]
 
 
+def unseen(op: str) -> str:
+    """Why a caller the daemon cannot see may not {op}: its death would never free what it held."""
+    return (f"the daemon cannot see this process (the kernel reports its pid as 0: it runs in a pid namespace "
+            f"outside the daemon's), so it could never tell its death and free what it holds: no {op}; run the "
+            "daemon in the host's pid namespace, or in the workers' (Kubernetes: hostPID, docs/kubernetes.md)")
+
+
 class Daemon:
     def __init__(self, settings: Settings, backend: MemoryBackend, loader: Loader | None = None):
         self.settings = settings
@@ -437,6 +444,8 @@ class Daemon:
 
         def handle(caller: Route, who: Credentials, body: dict) -> Outbox:
             if op.watches:
+                if who.pid <= 0:  # the kernel's pid for a process outside the daemon's pid namespace
+                    return [Send(caller, error=ProtocolError(ErrorCode.FORBIDDEN, unseen(op.name)))]
                 refusal = self._watcher.refusal(who.pid, who.uid)
                 if refusal:
                     return [Send(caller, error=ProtocolError(ErrorCode.LIMIT_EXCEEDED, refusal))]

@@ -109,13 +109,15 @@ class Daemon:
     proc: subprocess.Popen | None = None
     extra_env: dict = field(default_factory=dict)  # for the daemon and the ranks
     daemon_env: dict = field(default_factory=dict)  # for the daemon alone
+    launcher: tuple[str, ...] = ()  # what runs the daemon's command (unshare: a pid namespace of its own)
 
     def env(self) -> dict:
         return {**os.environ, "PEERD_SOCKET": self.socket, "PYTHONUNBUFFERED": "1", **ARENA_ENV, **self.extra_env}
 
     def start(self) -> "Daemon":
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket, *self.args],
+            [*self.launcher, sys.executable, "-m", "peerd", "serve", "--backend", self.backend, "--socket", self.socket,
+             *self.args],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
             env={**self.env(), "PEERD_LOG_LEVEL": "debug", **self.daemon_env},  # tests wait on per-rank lines

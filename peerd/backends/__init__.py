@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
+from ..sizes import human
 from .allocation import Allocation
 
 if TYPE_CHECKING:
@@ -52,8 +53,8 @@ class UnknownDevice(Exception):
 def out_of_memory(size: int, device: str, error: str, free: int) -> OutOfDeviceMemory:
     """The refusal a worker sees when a device cannot hold its buffer."""
     return OutOfDeviceMemory(
-        f"cannot allocate {size} bytes ({size / 2**20:.0f} MiB) on {device}: {error}; "
-        f"{free} bytes ({free / 2**20:.0f} MiB) are free there"
+        f"cannot allocate {size} bytes ({human(size)}) on {device}: {error}; "
+        f"{free} bytes ({human(free)}) are free there"
     )
 
 
@@ -88,8 +89,9 @@ class MemoryBackend(ABC):
         return True
 
     @abstractmethod
-    def free(self, allocation: Allocation) -> None:
-        """Give the memory back; called once, after every rank released it."""
+    def free(self, allocation: Allocation, mapped_by: Sequence[int] = ()) -> None:
+        """Give the memory back; called once, after every rank released it, or an eviction took it from
+        the live processes ``mapped_by``, which may still map it: none of it goes to the driver under them."""
 
     @abstractmethod
     def fd(self, allocation: Allocation) -> int | None:

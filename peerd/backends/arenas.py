@@ -17,9 +17,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
-from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, Placement
+from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, OverCap, Placement
 from ..fdroom import FdRoom
 from ..sizes import human
 from . import Allocation, AllocationFailed, ChunkMemory, MemoryBackend
@@ -60,16 +60,18 @@ class ArenaMemory(MemoryBackend):
             return self.arenas.usage()
 
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
-        """A buffer in a chunk of ``uid``'s; where no new chunk can be had, the empty chunks nobody maps (any
-        uid's, kept only to be used again) go back first and it is tried once more."""
+        """A buffer in a chunk of ``uid``'s; where no new chunk can be had, the empty chunks nobody maps, kept
+        only to be used again, go back first and it is tried once more: any uid's where memory was short,
+        the uid's own where it reached its cap (its limits are not others' to pay)."""
         with self._lock:
             try:
                 placement = self.arenas.place(nbytes, device, flags, uid)
-            except AllocationFailed:  # memory short; a uid's own limits (OverCap) are not others' to pay
-                freed = self.arenas.trim()
+            except (AllocationFailed, OverCap) as refused:
+                over_cap = isinstance(refused, OverCap)
+                freed = self.arenas.trim({uid} if over_cap else None)
                 if not freed:
                     raise
-                self._log_freed(freed, "empty, and memory was short")
+                self._log_freed(freed, f"empty, and {f'uid {uid} was at its cap' if over_cap else 'memory was short'}")
                 placement = self.arenas.place(nbytes, device, flags, uid)
         chunk = placement.chunk
         return Allocation(self.name, chunk.handle, placement.size, device, token=placement,
@@ -87,10 +89,10 @@ class ArenaMemory(MemoryBackend):
         with self._lock:
             return self.arenas.ready(placement.chunk, (placement.offset, placement.size))
 
-    def free(self, allocation: Allocation) -> None:
+    def free(self, allocation: Allocation, mapped_by: Sequence[int] = ()) -> None:
         placement: Placement = allocation.token
         with self._lock:
-            self.arenas.release(placement, time.monotonic())
+            self.arenas.release(placement, time.monotonic(), mapped_by)
             if placement.chunk.empty_since is not None:  # only an emptied chunk brings the next sweep nearer:
                 self._wake.notify()  # waking the sweeper on every free made the loop wait for the lock
 
@@ -135,9 +137,10 @@ class ArenaMemory(MemoryBackend):
                 if due is not None and due <= time.monotonic():
                     try:
                         self._log_freed(self.arenas.sweep(time.monotonic()), f"idle for {self.arenas.idle_s:g}s")
-                    except Exception:  # the driver refused a free: the chunk is forgotten, the sweeper lives on
-                        log.exception("giving an idle chunk back to the driver failed")
-                    continue
+                        continue
+                    except Exception:  # a bug must cost one sweep, never the thread: idle chunks would stay forever
+                        log.exception("sweeping the idle chunks failed; trying again in a second")
+                        due = time.monotonic() + 1.0
                 self._wake.wait(None if due is None else due - time.monotonic())
 
     @staticmethod

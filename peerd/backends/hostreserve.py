@@ -204,9 +204,9 @@ class Reserver:
         with self._lock:
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < THREADS:
-                self._threads.append(threading.Thread(target=self._work, name=f"peerd-host-memory-{len(self._threads)}",
-                                                      daemon=True))
-                self._threads[-1].start()
+                thread = threading.Thread(target=self._work, name=f"peerd-host-memory-{len(self._threads)}", daemon=True)
+                thread.start()  # one that could not start is not kept: close() would wait on it
+                self._threads.append(thread)
             self._pending += nbytes
             self._queue(reservation)
         return reservation

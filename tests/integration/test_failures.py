@@ -21,6 +21,7 @@ from peerd import protocol
 from peerd.tally import LOG_EVERY_S
 from peerd_client.stoppedpeers import POLL_S
 from tests.conftest import HERE, Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
+from tests.integration.test_access import call
 
 
 def joined(daemon, group, rank):
@@ -330,6 +331,29 @@ def test_ranks_in_a_pid_namespace_of_their_own_watch_each_other_by_the_pids_they
         pod.wait()
         assert d.stop() == 0, d.logs()
     assert results[1]["pid"] != stop_pid, "the ranks must see other pids than the daemon's, or nothing is tested"
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs util-linux's unshare")
+def test_a_caller_outside_the_daemons_pid_namespace_may_not_hold_and_pidfds_stay_on(socket_dir):
+    """A daemon in a pid namespace of its own is told pid 0 for callers outside it: it could never see
+    them die, so a join or an agreement, which would leave them holding, is refused with the way out.
+    Before, pidfd_open(0) turned pidfds off for every process, and pid 0 never read as dead."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               launcher=("unshare", "--pid", "--fork", "--kill-child=SIGTERM")).start()
+    try:
+        join = {"group": "far", "name": "n", "rank": 0, "npes": 2, "nbytes": 4096, "device": "host"}
+        agree = {"group": "far", "rank": 0, "npes": 2, "ok": True}
+        for op, body in (("join", join), ("agree", agree)):
+            refused = call(d, op, body)
+            assert refused["code"] == "FORBIDDEN" and "pid as 0" in refused["message"], refused
+            assert "hostPID" in refused["message"] and f"no {op}" in refused["message"]
+        status = json.loads(d.cli("status", "--json").stdout)
+        assert status["liveness"] == "pidfd" and status["groups"] == 0, status
+        assert "pidfd_open unavailable" not in d.logs()
+    finally:
+        os.kill(_child(d.proc.pid), signal.SIGTERM)  # the daemon itself: unshare forwards no signal
+        assert d.proc.wait(20) == 0, d.logs()
+        assert not os.path.exists(d.socket), "socket left after shutdown"
 
 
 def test_ctrl_c_in_the_constructor_leaves_nothing_held_and_the_process_may_join_again(daemon):

@@ -280,6 +280,37 @@ def test_a_dedicated_chunk_goes_back_at_release_whoever_was_handed_it(arenas, so
     assert source.freed == [big.chunk.token]
 
 
+def test_an_evicted_chunk_goes_back_only_once_the_live_processes_it_was_taken_from_exited(arenas, source):
+    """An eviction takes the hold from members that still map it: a chunk of its own too must not reach
+    the driver (and so another uid) under them; it goes once the last exited, with no idle wait."""
+    big, small = arenas.place(2 * CHUNK, "gpu0", 0, 1000), arenas.place(ALIGNMENT, "gpu0", 0, 1000)
+    arenas.release(big, 0.0, mapped_by=[7, 8])
+    arenas.release(small, 0.0, mapped_by=[7])
+    assert source.freed == [] and arenas.trim() == [] and arenas.sweep(100.0) == []
+    assert arenas.place(2 * CHUNK, "gpu0", 0, 1000).chunk is not big.chunk, "an evicted chunk takes nothing more"
+    assert arenas.process_gone(7, 1.0) == [] and source.freed == []
+    assert [c.id for c in arenas.process_gone(8, 1.0)] == [big.chunk.id]
+    assert arenas.chunks.get(small.chunk.id) is small.chunk, "a shared chunk still waits its idle time"
+
+
+def test_a_driver_refusing_a_free_costs_that_chunk_alone(arenas, source, caplog):
+    """A device fault on one cudaFree must not stop the other chunks, nor the death that freed them."""
+    a, b = arenas.place(2 * CHUNK, "gpu0", 0, 1000), arenas.place(2 * CHUNK, "gpu0", 0, 2000)
+    real = source.free_chunk
+
+    def refuse_a(token):
+        if token == a.chunk.token:
+            raise RuntimeError("cudaFree on device 0 failed: cudaErrorECCUncorrectable")
+        real(token)
+
+    source.free_chunk = refuse_a
+    arenas.release(a, 0.0, mapped_by=[7])
+    arenas.release(b, 0.0, mapped_by=[7])
+    assert {c.id for c in arenas.process_gone(7, 1.0)} == {a.chunk.id, b.chunk.id}
+    assert source.freed == [b.chunk.token] and arenas.chunks == {} and arenas._reserved == {}
+    assert "cudaErrorECCUncorrectable" in caplog.text and f"chunk {a.chunk.id} of uid 1000" in caplog.text
+
+
 def test_where_the_mapping_keeps_memory_alive_chunks_go_back_when_idle(source):
     source.free_needs_unmapped = False  # memfds
     arenas = Arenas(source, CHUNK, idle_s=10)
@@ -350,6 +381,7 @@ arena_event = st.one_of(
     st.tuples(st.just("place"), st.sampled_from([1, 3 * ALIGNMENT, CHUNK // 2, 2 * CHUNK]), st.sampled_from([1000, 2000]),
               st.sampled_from(["gpu0", "gpu1"])),
     st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("evict"), st.integers(0, 3), st.sampled_from([7, 8, 9])),  # released under a live mapper
     st.tuples(st.just("hand"), st.integers(0, 3), st.sampled_from([7, 8, 9])),
     st.tuples(st.just("gone"), st.sampled_from([7, 8, 9])),
     st.tuples(st.just("sync"), st.integers(0, 3)),
@@ -387,6 +419,11 @@ def test_no_sequence_leaks_a_chunk_overlaps_a_range_or_leaves_a_stale_index(even
             placed.append(arenas.place(ev[1], ev[3], 0, ev[2]))
         elif kind == "release" and ev[1] < len(placed):
             arenas.release(placed.pop(ev[1]), now)
+        elif kind == "evict" and ev[1] < len(placed):
+            p = placed.pop(ev[1])
+            arenas.release(p, now, mapped_by=[ev[2]])
+            if p.chunk.id in arenas.chunks and not p.chunk.forsaken:
+                assert ev[2] in p.chunk.mappers, "a chunk released under a live mapper is kept for it"
         elif kind == "hand" and ev[1] < len(placed):
             arenas.handed([placed[ev[1]]], [ev[2]])
         elif kind == "gone":

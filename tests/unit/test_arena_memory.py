@@ -364,6 +364,26 @@ def test_a_step_that_raises_anything_fails_its_chunk_and_the_threads_serve_on(mo
         memory.close()
 
 
+def test_a_thread_that_could_not_start_fails_its_chunk_and_leaves_close_whole(monkeypatch):
+    """No thread (the process's limit): that chunk fails with the reason, and close() waits only on
+    threads that ran, so the daemon's shutdown goes to its end."""
+    monkeypatch.setattr(hostreserve, "THREADS", 2)
+    real, started = threading.Thread.start, []
+
+    def second_fails(self):
+        if started:
+            raise RuntimeError("can't start new thread")
+        started.append(self)
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", second_fails)
+    memory = host.Memory()
+    with pytest.raises(AllocationFailed, match="can't start new thread"):
+        memory.allocate_chunk(1 << 20, host.DEVICE, 0)
+    memory.close()
+    assert memory.promised == 0 and not started[0].is_alive()
+
+
 def test_chunks_never_promise_more_than_the_memory_less_the_headroom_whatever_members_did_to_their_pages(monkeypatch):
     """A member holds its chunk's memfd and may punch its pages out: MemAvailable then shows that memory
     as free, but the daemon promised it (the next zeroing reserves it again). The chunks kept may promise
@@ -458,6 +478,24 @@ class SlowCloses:
 
     def __getattr__(self, name):
         return getattr(os, name)
+
+
+def test_at_its_cap_a_uid_gives_its_own_empty_chunks_back_first_and_never_anothers():
+    """A uid that holds no buffer must not be refused a bigger one because of the chunk it kept for its
+    next buffers; another uid's empty chunk is not its to take, and the refusal stands where nothing of
+    its own could go back."""
+    chunks = Chunks()
+    memory = ArenaMemory(chunks, ArenaSettings(chunk_bytes=1 << 20, cap_per_uid=5 << 19, idle_s=600))
+    kept = memory.allocate(100, "gpu0", 0, 1000)
+    others = memory.allocate(100, "gpu0", 0, 2000)
+    memory.free(kept)
+    memory.free(others)
+    big = memory.allocate(2 << 20, "gpu0", 0, 1000)  # 1 MiB kept + 2 MiB would pass the cap of 2.5 MiB
+    assert kept.token.chunk.token not in chunks.live and others.token.chunk.token in chunks.live
+    with pytest.raises(OverCap, match="uid 1000 reserves 2097152 bytes .* cap of 2621440 bytes"):
+        memory.allocate(1 << 20, "gpu0", 0, 1000)  # its big buffer is held: nothing of its own to give back
+    memory.free(big)
+    memory.close()
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["given-back", "held-elsewhere"])

@@ -33,7 +33,7 @@ def test_the_host_backend_speaks_no_protocol():
     (UnknownDevice("serves no device 'GPU-1'"), ErrorCode.DEVICE_UNKNOWN, "serves no device 'GPU-1'"),
     (AllocationFailed("cannot export 4096 bytes"), ErrorCode.ALLOCATION_FAILED, "cannot export 4096 bytes"),
     (out_of_memory(4096, "GPU-1", "cudaErrorMemoryAllocation", 0), ErrorCode.ALLOCATION_FAILED,
-     "cannot allocate 4096 bytes (0 MiB) on GPU-1: cudaErrorMemoryAllocation; 0 bytes (0 MiB) are free there"),
+     "cannot allocate 4096 bytes (4.0 KiB) on GPU-1: cudaErrorMemoryAllocation; 0 bytes (0 B) are free there"),
     (RuntimeError("driver gone"), ErrorCode.ALLOCATION_FAILED, "allocating 4096 bytes on GPU-1 failed: driver gone"),
 ])
 def test_each_backend_error_becomes_one_code_with_its_message(error, code, message):

@@ -19,6 +19,7 @@ class FakeMemory:
         self.live: dict[bytes, Allocation] = {}
         self.serial = 0
         self.fail_next = None
+        self.mapped_by: dict[bytes, list[int]] = {}  # handle -> the live pids it was freed under
 
     def allocate(self, nbytes, device, flags, uid):
         if self.fail_next:
@@ -29,9 +30,10 @@ class FakeMemory:
         self.live[a.handle] = a
         return a
 
-    def free(self, allocation):
+    def free(self, allocation, mapped_by):
         assert allocation.handle in self.live, "double free"
         del self.live[allocation.handle]
+        self.mapped_by[allocation.handle] = sorted(mapped_by)
 
 
 @pytest.fixture
@@ -669,12 +671,15 @@ def test_only_the_process_holding_a_rank_votes_for_it(reg):
 
 
 def test_evict_frees_held_memory_and_fails_waiters(reg, mem):
+    """The memory goes with the pids that may still map it: those the handles went to (a set that was
+    still joining went to none), so none of it reaches the driver while they live (peerd.arena)."""
     live_set(reg)
     join(reg, 0, npes=2, pid=300, name="other")
     agree(reg, 0, group="g")
     out, evicted = reg.evict("g", None)
     assert sorted(e["name"] for e in evicted) == ["n", "other"] and evicted[0]["holders"]
     assert mem.live == {} and reg.sets == {} and reg.agreements == {}
+    assert sorted(mem.mapped_by.values()) == [[], [100, 101], [100, 101]]
     assert errors(out)[("c", 0)].code is ErrorCode.GROUP_FAILED
     assert bodies(out)[("a", 0)]["ok"] is False
 
@@ -714,11 +719,11 @@ def test_a_failing_free_does_not_strand_the_rest(reg, mem):
     live_set(reg, npes=3)
     real_free, calls = mem.free, []
 
-    def flaky(allocation):
+    def flaky(allocation, mapped_by):
         calls.append(allocation.handle)
         if len(calls) == 1:
             raise RuntimeError("cudaErrorIllegalAddress")
-        real_free(allocation)
+        real_free(allocation, mapped_by)
 
     reg._sets._free = flaky
     for r in range(3):

@@ -108,9 +108,9 @@ def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages)
     seen = []
     free = mem.free
 
-    def checked_free(allocation):
+    def checked_free(allocation, mapped_by):
         seen.append(view.aborted())
-        free(allocation)
+        free(allocation, mapped_by)
 
     reg._sets._free = checked_free
     reg.evict("g", None)
