@@ -159,8 +159,7 @@ class Agreements:
                 agreement.calls[rank] = k
                 out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
                                                                 f"{agreement.beyond_reason}"}))
-                self._collect(agreement)  # the last rank to enter the last such round puts the group in step
-                return out
+                return out + self._collect(agreement)  # the last rank to enter the last such round: in step
             refusal = self._quotas.round_refusal(agreement)
             if refusal:
                 return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
@@ -180,8 +179,7 @@ class Agreements:
                 out += rnd.finish(False, agreement.absences(absent))
         if not settled and rnd.result is not None and not rnd.result[0]:
             log.warning("group=%s agreement round %d: False (%s)", group, k, rnd.result[1])
-        self._collect(agreement)
-        return out
+        return out + self._collect(agreement)
 
     def _agreement_for(
         self, caller: Caller, pid: int, uid: int | None, group: str, rank: int, npes: int
@@ -207,7 +205,8 @@ class Agreements:
         """A new process takes a dead rank's place, or a rank that left votes or joins a set again: it
         enters the group's next round, after every round a peer entered (each False already: the rank was
         absent), never one it entered itself; the peers keep their count."""
-        own = agreement.calls.get(rank, 0) if rank in agreement.left and agreement.pids.get(rank) == pid else 0
+        own = agreement.calls.get(rank, 0) if rank in agreement.left else 0  # the rounds its last voter entered:
+        # that process may still wait in one, and lives (a dead rank's rounds are all False: none is entered again)
         agreement.dead.pop(rank, None)
         agreement.left.pop(rank, None)
         self._hand_over(agreement, rank, pid)
@@ -254,14 +253,18 @@ class Agreements:
         """Index ``pid`` as a voter of ``agreement``, so its death looks at its own agreements alone."""
         self.voting.add(pid, agreement.key, agreement)
 
-    def _drop(self, agreement: Agreement) -> None:
+    def _drop(self, agreement: Agreement, reason: str) -> Outbox:
+        """Forget the agreement; a round still pending is False with ``reason`` for whoever waits in it (a
+        caller whose rank another process votes for now is no member any more, yet waits)."""
+        out: Outbox = []
         if self.kept.get(agreement.key) is agreement:
             del self.kept[agreement.key]
             self._quotas.count_agreement(agreement.owner_uid, -1)
             for pid in set(agreement.pids.values()):
                 self.voting.discard(pid, agreement.key)
             for rnd in agreement.rounds.values():
-                rnd.abandon()
+                out += rnd.finish(False, reason) if rnd.result is None else []
+        return out
 
     def _round_due(self, agreement: Agreement, k: int, timeout: float) -> Outbox:
         rnd = agreement.rounds.get(k)
@@ -272,17 +275,17 @@ class Agreements:
             f"waiting for rank(s) {rnd.missing()}"
         )
         log.warning("%s", reason)
-        out = rnd.finish(False, reason)
-        self._collect(agreement)
-        return out
+        return rnd.finish(False, reason) + self._collect(agreement)
 
-    def _collect(self, agreement: Agreement) -> None:
+    def _collect(self, agreement: Agreement) -> Outbox:
         agreement.collect()
         if agreement.finished():
-            self._drop(agreement)
+            return self._drop(agreement, f"every member of group={agreement.group}'s agreement died")
+        return []
 
     def evict(self, group: str, uid: int | None, holders: dict[tuple[int | None, str], set[int]]) -> Outbox:
-        """Drop the group's agreements (of ``uid`` only, unless None); their pending rounds are False,
+        """Drop the group's agreements (of ``uid`` only, unless None) where no buffer set of it is held any
+        more (an eviction of one set of several leaves the rest in step): their pending rounds are False,
         and so is every later vote of their voters, and of the evicted sets' ``holders`` by (uid, group),
         until each holds a set of the group again or dies."""
         out: Outbox = []
@@ -292,13 +295,12 @@ class Agreements:
         for agreement in list(self.kept.values()):
             if agreement.group != group or (uid is not None and agreement.owner_uid != uid):
                 continue
-            self._drop(agreement)
+            if self._sets.group_sizes(agreement.owner_uid, group):  # some set of it is still held
+                continue
+            out += self._drop(agreement, f"group={group} was evicted by an administrator")
             live = set(agreement.pids.values()) - set(agreement.dead.values())
             if live:
                 self.evicted.setdefault(agreement.key, set()).update(live)
-            for rnd in agreement.rounds.values():
-                if rnd.result is None:
-                    out += rnd.finish(False, f"group={group} was evicted by an administrator")
         return out
 
     def _forgive(self, uid: int | None, group: str, pid: int) -> None:
@@ -329,8 +331,7 @@ class Agreements:
         # a member that exits between rounds is the normal end of a job, not news
         log.log(logging.WARNING if out else logging.DEBUG, "group=%s rank=%d pid=%d died%s", agreement.group,
                 rank, pid, " while its peers waited in an agreement" if out else "")
-        self._collect(agreement)
-        return out
+        return out + self._collect(agreement)
 
     def rank_left(self, uid: int | None, group: str, rank: int, pid: int, reason: str) -> Outbox:
         """``pid`` released its last set of the group as ``rank`` while its peers held theirs: the rounds
@@ -343,8 +344,7 @@ class Agreements:
         out = self._fail_rounds_missing(agreement, rank)
         if out:
             log.warning("group=%s agreement: %s while its peers waited in a round", group, reason)
-        self._collect(agreement)
-        return out
+        return out + self._collect(agreement)
 
     @staticmethod
     def _fail_rounds_missing(agreement: Agreement, rank: int) -> Outbox:

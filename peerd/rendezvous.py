@@ -170,10 +170,10 @@ class Rendezvous:
         bset.patience = max(bset.patience, timeout)
         log.debug("%s rank=%d pid=%d joined (%d/%d) device=%s", bset.label, rank, pid, len(bset.slots), bset.npes,
                  device)
-        if len(bset.slots) < bset.npes:
+        out = self._open_when_ready(bset, now) if len(bset.slots) == bset.npes else []
+        if bset.state is State.JOINING:  # its ranks, or (the last join's too) its memory, still to come
             bset.timers.append(self._timers.at(now + timeout, lambda t, b=bset: self._rendezvous_due(b, t)))
-            return []
-        return self._open_when_ready(bset, now)
+        return out
 
     def _open_when_ready(self, bset: BufferSet, now: float) -> Outbox:
         """Every rank joined: open the set once the memory of every rank is ready (a backend may still
@@ -591,8 +591,11 @@ class Rendezvous:
                 self.index.let_go(bset, slot)
             self._free_set(bset, mapped_by)
             self._forget(bset)
-            log.warning("%s of uid %s evicted; pids %s held it and may still touch its memory until they exit "
-                        "(no other uid gets it before)", bset.label, bset.owner_uid, sorted(holders.values()))
+            if mapped_by:
+                log.warning("%s of uid %s evicted; pids %s held it and may still touch its memory until they exit "
+                            "(no other uid gets it before)", bset.label, bset.owner_uid, sorted(mapped_by))
+            else:
+                log.warning("%s of uid %s evicted before its handles went out", bset.label, bset.owner_uid)
             evicted.append({"group": bset.group, "name": bset.name, "uid": bset.owner_uid, "holders": holders})
         return out, evicted
 

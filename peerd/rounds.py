@@ -27,15 +27,21 @@ class Round:
     deadline: float = math.inf  # when it times out: the earliest of its voters' deadlines
 
     def vote(self, rank: int, ok: bool, reason: str, caller: Caller | None) -> Outbox:
-        """``caller`` None: a vote nobody waits on here (the rank learns the verdict elsewhere)."""
+        """``caller`` None: a vote nobody waits on here (the rank learns the verdict elsewhere). A caller
+        already waiting for ``rank`` (another process took the rank meanwhile) hears False, never nothing."""
+        out: Outbox = []
         self.votes[rank] = ok
         if not ok:
             self.reasons.append(f"rank {rank}: {reason}" if reason else f"rank {rank} voted no")
         if caller is not None:
+            displaced = self.waiters.get(rank)
+            if displaced is not None and displaced != caller:
+                out.append(Send(displaced, {"ok": False, "reason": f"rank {rank} voted again from another call, "
+                                                                   "which counts instead of this one"}))
             self.waiters[rank] = caller
         if len(self.votes) == self.npes:
-            return self.finish(all(self.votes.values()), self.reason)
-        return []
+            out += self.finish(all(self.votes.values()), self.reason)
+        return out
 
     @property
     def reason(self) -> str:

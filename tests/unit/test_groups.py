@@ -684,6 +684,62 @@ def test_evict_frees_held_memory_and_fails_waiters(reg, mem):
     assert bodies(out)[("a", 0)]["ok"] is False
 
 
+def test_evicting_one_set_of_a_group_leaves_its_agreement_in_step(reg):
+    """The k-th calls of the ranks pair up whatever is evicted beside them: an eviction of one set of
+    several (or of a name that matches none) failed the group's pending round for one rank and restarted
+    the count, so rank 1's first call met rank 0's second."""
+    for name in ("a", "b"):
+        for r in range(2):
+            join(reg, r, name=name)
+        for r in range(2):
+            commit(reg, r, name=name)
+    vote = {"group": "g", "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("x", 0), who(100), {**vote, "rank": 0}, 0.0) == []
+    for name in ("none-such", "b"):
+        out, evicted = reg.evict("g", name)
+        assert out == [] or all(send.caller[0] != "x" for send in out), "rank 0's round stays pending"
+    assert [s.state.value for s in reg.all_sets()] == ["live"]
+    out = reg.agree(("y", 1), who(101), {**vote, "rank": 1}, 0.0)
+    assert bodies(out) == {("x", 0): {"ok": True, "reason": ""}, ("y", 1): {"ok": True, "reason": ""}}
+
+
+def test_a_process_taking_a_rank_that_left_starts_after_the_rounds_its_last_voter_entered(reg):
+    """Pid 100 votes round 1, then releases (it left); pid 110 takes rank 0: it entered round 1 too and
+    took over pid 100's wait there, which was never answered. It starts at round 2 now, and pid 100
+    hears its round's verdict."""
+    live_set(reg)
+    vote = {"group": "g", "rank": 0, "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("old", 0), who(100), vote, 0.0) == []
+    release(reg, 0)
+    reg.expire(LEAVE_GRACE_S + 1)  # rank 0 has left the group's agreement
+    assert reg.agree(("new", 0), who(110), vote, LEAVE_GRACE_S + 2) == []
+    out = reg.agree(("peer", 1), who(101), {**vote, "rank": 1}, LEAVE_GRACE_S + 3)
+    assert bodies(out) == {("old", 0): {"ok": True, "reason": ""}, ("peer", 1): {"ok": True, "reason": ""}}
+
+
+def test_a_voter_whose_rank_was_handed_over_hears_its_round_end_when_the_agreement_does(reg):
+    """Pid 111 votes rank 1 holding nothing; pid 101 joins a set as rank 1 and votes for it from then on.
+    When pid 101 dies the agreement has no live member and goes: pid 111, still waiting in round 1,
+    was dropped with it unanswered."""
+    vote = {"group": "g", "rank": 1, "npes": 2, "ok": True, "timeout": None}
+    assert reg.agree(("stray", 1), who(111), vote, 0.0) == []
+    join(reg, 1, pid=101, timeout=30.0)
+    assert reg.agree(("member", 1), who(101), vote, 0.0) == []
+    out = reg.process_died(101, 1.0)
+    assert bodies(out)[("stray", 1)]["ok"] is False and reg.agreements == {}
+    assert "every member" in bodies(out)[("stray", 1)]["reason"]
+
+
+def test_a_one_rank_set_waiting_for_its_memory_times_out_like_any_other(reg):
+    """The rendezvous timer was armed only while ranks were missing: a set of one rank whose memory the
+    backend was still reserving waited without a deadline, its join unanswered and its buffer held."""
+    reg._sets._ready = lambda allocation: False  # the backend never has it ready
+    assert join(reg, 0, npes=1, timeout=5.0) == []
+    out = reg.expire(6.0)
+    timed_out = errors(out)[("c", 0)]
+    assert timed_out.code is ErrorCode.TIMEOUT and "still being reserved" in timed_out.message, timed_out
+
+
 def test_finished_waits_leave_no_timers_behind(reg, mem):
     """A busy daemon must not grow: every settled wait drops its timer at once."""
     for cycle in range(500):
