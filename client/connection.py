@@ -54,6 +54,7 @@ from peerd.trust import (
     describe_trusted,
     describe_uid,
 )
+from peerd.turnlock import TurnLock
 
 from .errors import DaemonUnavailable, MonoUnsupported
 
@@ -97,7 +98,7 @@ class Connection:
     def __init__(self, path: str, connect_timeout: float = CONNECT_TIMEOUT_S):
         self.path = check_socket_path(path)
         self.pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = TurnLock()  # a Ctrl-C must not leave it held (peerd.turnlock: how it is taken and let go)
         self._ids = itertools.count(1)
         self._lost: str | None = None
         self._owner: int | None = None  # the thread inside call() or post(), if any
@@ -176,8 +177,12 @@ class Connection:
     def close(self) -> None:
         if os.getpid() != self.pid:
             return  # a forked child must not tear down its parent's sockets
-        with self._lock:
+        if not self._lock.acquire():
+            raise RuntimeError("Connection.close() from inside a call of this thread's")
+        try:
             self._close_sockets()
+        finally:
+            self._lock.release()
 
     def _close_sockets(self) -> None:
         if self._lost == CLOSED:
@@ -212,50 +217,46 @@ class Connection:
         when ``timeout`` has passed raises MonoUnsupported (TIMEOUT) without having sent anything.
         """
         started = time.monotonic()
-        with self._owned(timeout) as held:
-            if not held:
-                raise MonoUnsupported(
-                    f"{op} waited {timeout:g}s for another thread of this process to finish its call to the daemon "
-                    "(a rendezvous or a vote): calls of one process's threads take turns on its connection",
-                    "TIMEOUT")
-            return self._call(op, body, max(0.0, timeout - (time.monotonic() - started)), meanwhile)
+        held, reply = self._holding(
+            timeout, lambda: self._call(op, body, max(0.0, timeout - (time.monotonic() - started)), meanwhile))
+        if not held:
+            raise MonoUnsupported(
+                f"{op} waited {timeout:g}s for another thread of this process to finish its call to the daemon "
+                "(a rendezvous or a vote): calls of one process's threads take turns on its connection",
+                "TIMEOUT")
+        return reply
 
     def post(self, op: str, body: dict[str, Any]) -> None:
         """Send one request whose answer comes another way (a commit's no, from the control page): the
         daemon answers it only with a refusal, which the next call skips as stray. Where another
         thread holds the connection, that thread sends it."""
-        with self._owned(0) as held:
-            if held:
-                self._send(op, self._ready(op, body))
-                return
-        self.send_later(op, _checked(op, body))
+        held, _ = self._holding(0, lambda: self._send(op, self._ready(op, body)))
+        if not held:
+            self.send_later(op, _checked(op, body))
 
     def call_unless_busy(self, op: str, body: dict[str, Any]) -> None:
         """A request whose answer nobody needs but this thread would rather wait for (a release):
         answered before this returns, unless another thread is inside a call (a rendezvous may
         wait a minute): then that thread sends it at once, woken, and this one does not wait."""
-        with self._owned(0) as held:
-            if held:
-                self._call(op, body, REQUEST_TIMEOUT_S)
-                return
-        self.send_later(op, body)
+        held, _ = self._holding(0, lambda: self._call(op, body, REQUEST_TIMEOUT_S))
+        if not held:
+            self.send_later(op, body)
 
-    @contextlib.contextmanager
-    def _owned(self, timeout: float):
-        """The connection, held by this thread (yields True; False where another thread held it for
-        ``timeout`` seconds, 0: not at all): a finalizer's send_later on it defers instead of waiting."""
-        try:
-            if not (self._lock.acquire(timeout=timeout) if timeout > 0 else self._lock.acquire(blocking=False)):
-                yield False
-                return
-            self._owner = threading.get_ident()
-            try:
-                yield True
-            finally:
-                self._owner = None
-                self._lock.release()
-        finally:  # whatever the call raised: what other threads left while this one held the socket
+    def _holding(self, timeout: float, work: Callable[[], Any]) -> tuple[bool, Any]:
+        """(True, ``work()``) run by this thread holding the connection; (False, None) where another thread
+        held it for ``timeout`` seconds (0: at all), or this one does (a finalizer's send_later then
+        defers instead of waiting). Then what other threads left meanwhile is sent. The take and the
+        release are where a Ctrl-C cannot leave the connection held (peerd.turnlock)."""
+        if not (self._lock.acquire(timeout=timeout) if timeout > 0 else self._lock.acquire(blocking=False)):
             self._flush_deferred()
+            return False, None
+        try:
+            self._owner = threading.get_ident()
+            return True, work()
+        finally:
+            self._owner = None
+            self._lock.release()
+            self._flush_deferred()  # whatever the call raised: what other threads left while this one held it
 
     def notice_loss(self) -> None:
         """Read what the monitor reported since the last call (the daemon died or restarted), so
@@ -418,7 +419,7 @@ class Undelivered:
             except IndexError:
                 return
             try:
-                conn.call(op, body, timeout=CONNECT_TIMEOUT_S)
+                conn.call_unless_busy(op, body)  # where another thread holds the connection, it sends this
             except DaemonUnavailable:
                 self._entries.appendleft((op, body))
                 return
@@ -427,12 +428,17 @@ class Undelivered:
 
     def _retry(self) -> None:
         wait = RETRY_EVERY_S
-        while self._entries:
+        while True:
+            if not self._entries:
+                self._retrying = None
+                if not self._entries or self._retrying is not None:  # none came meanwhile, or extend started
+                    return  # the next thread
+                self._retrying = threading.current_thread()
             time.sleep(wait)
             wait = min(2 * wait, RETRY_MOST_EVERY_S)
             try:
                 self.flush(connection())
-            except (MonoUnsupported, ValueError):  # no daemon yet: try again
+            except Exception:  # no daemon yet, or none at this path (ValueError): try again
                 continue
 
     def forget(self) -> None:

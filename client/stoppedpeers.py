@@ -142,8 +142,9 @@ class StoppedPeers:
                 self._thread.start()
 
     def discard(self, link) -> None:
-        with self._lock:
-            self._links.pop(link, None)
+        """Lock-free (one dict pop, atomic under the GIL): a garbage-collected PeerBuffer's finalizer comes
+        here, on whichever thread allocated, maybe one holding ``_lock`` (a plain lock would deadlock)."""
+        self._links.pop(link, None)
 
     def forget(self) -> None:
         """A forked child: its parent's links and thread are not its own."""
@@ -159,7 +160,7 @@ class StoppedPeers:
                 if not self._links:
                     self._thread = None  # the next watch starts another
                     return
-                links = list(self._links.items())
+                links = self._links.copy().items()  # one C call: a finalizer's discard cannot change it midway
             pids = {pid for _, peers in links for pid in peers if pid}
             states = {pid: stopped(pid) for pid in pids}  # each peer read once a poll, however many sets it shares
             now = time.monotonic()  # after the reads: a stop is counted from no earlier than it was seen

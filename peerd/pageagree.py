@@ -12,7 +12,6 @@ across processes is Note [Control page layout] in peerd.controlpage.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from .atomics import PageError, atomics
@@ -35,6 +34,7 @@ from .controlpage import (
     slot_offset,
     spin_budget,
 )
+from .turnlock import TurnLock
 
 _ROUND_MASK = (1 << ROUND_BITS) - 1
 #: the most a rank waits for the reason of a round the daemon closed (it writes it within its loop turn)
@@ -64,7 +64,7 @@ class PageVoter:
         self.page, self.rank, self.label = page, rank, label or "this group"
         spin = spin_budget(page.npes) if spin_s is None else spin_s
         self._round = native_voter()(page.address, page.npes, rank, LAYOUT, spin, WAIT_SLICE_S)
-        self._turn = threading.Lock()  # one round of this rank at a time: see agree
+        self._turn = TurnLock()  # one round of this rank at a time (see agree), never left held by a Ctrl-C
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
         self._ballots = [page.word(slot_offset(r) + OFF_VOTES) for r in range(page.npes)]
 

@@ -105,8 +105,12 @@ def dropped(args) -> dict:
     buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes)
     buf.cycle = buf  # only the cycle collector can free it
     del buf
-    with connection()._lock:  # as if a garbage-collection pass ran inside call()
+    lock = connection()._lock
+    assert lock.acquire()  # as if a garbage-collection pass ran inside call()
+    try:
         gc.collect()
+    finally:
+        lock.release()
     assert tp_agree(True, args.group, args.rank, args.npes)  # every rank dropped its buffer
     listing = connection().call("ls", {})["groups"]
     return {"left": [g for g in listing if g["group"] == args.group]}
@@ -573,6 +577,79 @@ def interruptible(args) -> dict:
     return {"outcomes": outcomes}
 
 
+def ctrl_c_storm(args) -> dict:
+    """Hold a buffer, then make calls for --hold seconds while SIGALRM raises KeyboardInterrupt at random
+    instants, as Ctrl-C's would: whatever instant one lands at, the connection must not stay held (every
+    later call waited out its deadline, and the release at close was never sent)."""
+    import random
+    import signal
+    import threading
+    import time
+
+    from peerd_client import PeerBuffer
+    from peerd_client.connection import connection
+
+    buf = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, "cpu")
+    conn = connection()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, interrupt)
+    interrupts, end = 0, time.monotonic() + args.hold
+    while time.monotonic() < end:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00002, 0.0004))
+            while True:
+                conn.call("hello", {}, timeout=2)
+        except KeyboardInterrupt:
+            interrupts += 1
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    taken = []
+
+    def take():  # from another thread, which a lock left held by this one would keep out
+        taken.append(conn._lock.acquire(timeout=5))
+        if taken[0]:
+            conn._lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    buf.close()
+    return {"interrupts": interrupts, "free": taken[0]}
+
+
+def released_behind_a_busy_thread(args) -> dict:
+    """Hold a buffer of --group (one rank), print READY; after a line on stdin (the test stalled the daemon
+    past the heartbeat meanwhile, so this connection is lost), another thread waits in a tp_agree nobody
+    answers (--timeout) on a new connection, and the buffer is closed: its release, which the lost
+    connection could not send, is queued and must go out while that thread still waits. Prints CLOSED."""
+    import threading
+
+    from peerd_client import DaemonUnavailable, PeerBuffer, tp_agree
+
+    buf = PeerBuffer(args.nbytes, args.group, 0, 1, "cpu")
+    print("READY", flush=True)
+    sys.stdin.readline()
+    verdicts = []
+
+    def wait_in_an_agreement() -> None:
+        for _ in range(2):  # the first call hears that the connection was lost
+            try:
+                verdicts.append(tp_agree(True, f"{args.group}-alone", 0, 2, timeout=args.timeout))
+                return
+            except DaemonUnavailable:
+                continue
+
+    waiting = threading.Thread(target=wait_in_an_agreement)
+    waiting.start()
+    time.sleep(1.0)  # inside its call: the new connection is held
+    buf.close()
+    print("CLOSED", flush=True)
+    waiting.join()
+    return {"verdicts": verdicts}
+
+
 def join_alone(args):
     """A thread waiting in a join that nobody answers (a group of its own, --timeout), inside its call once
     this returns; what the join raised lands in the dict."""
@@ -838,6 +915,8 @@ SCENARIOS = {
     "outlived": outlived,
     "close_race": close_race,
     "interruptible": interruptible,
+    "ctrl_c_storm": ctrl_c_storm,
+    "released_behind_a_busy_thread": released_behind_a_busy_thread,
     "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,
     "cache": cache,

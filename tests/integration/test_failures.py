@@ -485,6 +485,26 @@ def test_a_buffer_dropped_or_closed_while_another_thread_waits_in_a_call_is_rele
     assert result["other_thread_still_waiting"] and result["lonely"] == {"code": "TIMEOUT"}, result
 
 
+def test_a_queued_release_goes_out_while_another_thread_holds_the_new_connection(daemon):
+    """A release the lost connection could not send waits for a new one; where another thread of the
+    process held that one (a tp_agree waiting longer than the retry's wait), the retry took its refusal
+    to wait for an answer of the daemon's and dropped the release: the set stayed held by the live
+    worker for good. The holding thread sends it now."""
+    group = "queued-busy"
+    rank = start_rank(daemon, "released_behind_a_busy_thread", 0, 1, "--group", group, "--timeout", "20",
+                      stdin=subprocess.PIPE)
+    _line(rank, "READY")
+    daemon.proc.send_signal(signal.SIGSTOP)  # past the heartbeat timeout: the worker's connection drops
+    time.sleep(4.5)
+    daemon.proc.send_signal(signal.SIGCONT)
+    _say(rank)
+    _line(rank, "CLOSED")
+    wait_until(lambda: not [g for g, _ in _held(daemon) if g == group], 12,
+               "the queued release, while the other thread still waits in its agreement")
+    assert rank.poll() is None, "the other thread still waits"
+    assert finish(rank)["verdicts"] == [False]
+
+
 def test_a_release_left_to_a_call_that_fails_still_goes_out(daemon):
     """A finalizer inside a call leaves its release to that call, which sent it only if it succeeded:
     after a failed call the release waited for the process's next call (forever, on the page path)."""

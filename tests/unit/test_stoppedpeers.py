@@ -6,9 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from peerd_client.stoppedpeers import POLL_S, STALE_AFTER_S, StopClock, own_pid, peer_pids, stopped
+from peerd_client.stoppedpeers import POLL_S, STALE_AFTER_S, StopClock, StoppedPeers, own_pid, peer_pids, stopped
 
 
 def test_a_pid_counts_from_the_first_poll_that_saw_it_stopped_and_a_running_poll_resets_it():
@@ -83,3 +84,21 @@ def test_a_member_in_another_pid_namespace_watches_the_peers_that_claim_its_own_
     assert peer_pids(1, daemon_saw, None) is None, "no claims: nothing known here"
     assert peer_pids(1, daemon_saw, [[here[0], 40], [here[0], here[1] + 1], None, None]) is None, (
         "a reply whose claim for this rank is not this process's own is not about this process")
+
+
+def test_a_finalizer_discarding_a_link_under_the_watchers_lock_never_waits_on_it():
+    """A PeerBuffer dropped in a reference cycle is finalized by whichever thread's allocation starts a
+    collection, maybe the watcher snapshotting its links (or watch() starting it) with the lock held;
+    its close discards its link there. With the lock taken in discard, the thread waited on itself,
+    and every later close() in the process hung."""
+    peers, link = StoppedPeers(), object()
+    peers._links[link] = [0, 12345]
+    done = threading.Event()
+
+    def collected_under_the_lock():
+        with peers._lock:
+            peers.discard(link)
+        done.set()
+
+    threading.Thread(target=collected_under_the_lock, daemon=True).start()
+    assert done.wait(10) and link not in peers._links
