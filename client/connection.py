@@ -150,9 +150,11 @@ class Connection:
 
         The first exchange of a fresh socket, so the first frame is its answer,
         and nothing in it is used before its sender's credentials are checked.
-        Checked once per connection: one that drops is marked lost and never
-        used again (the next call opens and greets a new one), and only a
-        trusted user can bind another daemon at this path (check_socket).
+        No later reply is taken once the connection was seen to drop
+        (``_await`` reads the monitor first: its event is queued before the
+        socket reconnects): ZeroMQ reconnects by itself, and where the
+        socket's directory lets another user bind the path once the daemon is
+        gone, a reply could otherwise come from that user's process.
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
         if not self._sock.poll(int(timeout * 1000) + 1):
@@ -234,11 +236,12 @@ class Connection:
         if not held:
             self.send_later(op, _checked(op, body))
 
-    def call_unless_busy(self, op: str, body: dict[str, Any]) -> None:
+    def call_unless_busy(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> None:
         """A request whose answer nobody needs but this thread would rather wait for (a release):
-        answered before this returns, unless another thread is inside a call (a rendezvous may
-        wait a minute): then that thread sends it at once, woken, and this one does not wait."""
-        held, _ = self._holding(0, lambda: self._call(op, body, REQUEST_TIMEOUT_S))
+        answered before this returns, or DaemonUnavailable once ``timeout`` passed without an answer
+        (no probe of a stopped process: nobody needs it), unless another thread is inside a call (a
+        rendezvous may wait a minute): then that thread sends it at once, woken, and this one does not wait."""
+        held, _ = self._holding(0, lambda: self._call(op, body, timeout, probe=False))
         if not held:
             self.send_later(op, body)
 
@@ -275,13 +278,14 @@ class Connection:
         return _checked(op, body)
 
     def _call(self, op: str, body: dict[str, Any], timeout: float,
-              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:
+              meanwhile: Callable[[], None] | None = None, probe: bool = True) -> dict[str, Any]:
         request_id = self._send(op, self._ready(op, body))
         deadline = time.monotonic() + timeout
         if meanwhile is not None:
             meanwhile()
         reply = self._await(op, (request_id,), deadline)
-        if reply is None and op != "hello":  # past the deadline: did its answer come while this process was stopped?
+        if reply is None and probe and op != "hello":  # past the deadline: did its answer come while this process
+            # was stopped?
             reply = self._await(op, (request_id, self._send("hello", {})), time.monotonic() + PROBE_TIMEOUT_S)
         if reply is None or reply.id != request_id:
             raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer {op} within {timeout:g}s")
@@ -334,6 +338,7 @@ class Connection:
             left = deadline - time.monotonic()
             events = dict(self._poller.poll(int(left * 1000) + 1 if left > 0 else 0))
             if self._sock in events:
+                self._check_lost()  # see _greet: no reply is taken once the connection was seen to drop
                 try:
                     reply = decode_reply(self._sock.recv())
                 except ProtocolError as err:
@@ -348,8 +353,8 @@ class Connection:
                     self._send_deferred()
             if left <= 0:
                 return None
-            if self._monitor in events or self._lost:  # only once every reply that came is read (the wake
-                self._check_lost()  # above may have read the monitor's event)
+            if self._monitor in events or self._lost:  # the wake above may have read the monitor's event
+                self._check_lost()
 
     def send_later(self, op: str, body: dict[str, Any]) -> None:
         """Send a request whose answer nobody waits for (its reply is skipped as stray).

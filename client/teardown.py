@@ -32,6 +32,12 @@ from .views import require_torch
 
 log = logging.getLogger("peerd_client")
 
+#: the longest close() waits for the daemon to answer a release: nobody needs the answer, and a second
+#: release of the set is harmless (answered NOT_FOUND), so one the daemon's loop is too busy or stuck to
+#: answer by then is left to be sent again in the background (``undelivered``) instead of stalling the
+#: teardown of every buffer behind it
+RELEASE_WAIT_S = 1.0
+
 
 @dataclass
 class Teardown:
@@ -77,7 +83,7 @@ class Teardown:
         slot = self.slot
         try:
             if wait:
-                self.conn.call_unless_busy("release", slot)
+                self.conn.call_unless_busy("release", slot, RELEASE_WAIT_S)
             else:
                 self.conn.send_later("release", slot)
         except DaemonUnavailable as err:

@@ -600,7 +600,7 @@ def ctrl_c_storm(args) -> dict:
     while time.monotonic() < end:
         try:
             signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00002, 0.0004))
-            while True:
+            while time.monotonic() < end:  # (an interrupt swallowed somewhere must not keep it here)
                 conn.call("hello", {}, timeout=2)
         except KeyboardInterrupt:
             interrupts += 1
@@ -648,6 +648,22 @@ def released_behind_a_busy_thread(args) -> dict:
     print("CLOSED", flush=True)
     waiting.join()
     return {"verdicts": verdicts}
+
+
+def closes_behind_a_stuck_loop(args) -> dict:
+    """Three buffers of --group (one rank); print READY, then after a line on stdin (the test stalled the
+    daemon's loop meanwhile) close them one after another: how long each close() took."""
+    from peerd_client import PeerBuffer
+
+    bufs = [PeerBuffer(args.nbytes, args.group, 0, 1, "cpu", name=f"n{i}") for i in range(3)]
+    print("READY", flush=True)
+    sys.stdin.readline()
+    took = []
+    for buf in bufs:
+        start = time.monotonic()
+        buf.close()
+        took.append(time.monotonic() - start)
+    return {"took": took}
 
 
 def join_alone(args):
@@ -916,6 +932,7 @@ SCENARIOS = {
     "close_race": close_race,
     "interruptible": interruptible,
     "ctrl_c_storm": ctrl_c_storm,
+    "closes_behind_a_stuck_loop": closes_behind_a_stuck_loop,
     "released_behind_a_busy_thread": released_behind_a_busy_thread,
     "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,

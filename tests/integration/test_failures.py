@@ -20,6 +20,7 @@ import zmq
 from peerd import protocol
 from peerd.tally import LOG_EVERY_S
 from peerd_client.stoppedpeers import POLL_S
+from peerd_client.teardown import RELEASE_WAIT_S
 from tests.conftest import HERE, Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
 from tests.integration.test_access import call
 
@@ -503,6 +504,29 @@ def test_a_queued_release_goes_out_while_another_thread_holds_the_new_connection
                "the queued release, while the other thread still waits in its agreement")
     assert rank.poll() is None, "the other thread still waits"
     assert finish(rank)["verdicts"] == [False]
+
+
+def test_close_never_waits_long_behind_a_daemon_loop_that_is_stuck(socket_dir):
+    """A daemon whose loop is stuck (a hung driver call) still answers ZeroMQ's heartbeats, so its
+    workers' connections stay up: each close() waited the full request timeout for its release's
+    answer, 12 s a buffer. It waits RELEASE_WAIT_S now; the release, sent already, is sent again from
+    the background until answered, and the daemon frees the sets once its loop runs again."""
+    flag = Path(socket_dir) / "stall"
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               launcher=(sys.executable, str(HERE / "stalling_daemon.py")),
+               daemon_env={"PEERD_TEST_STALL_FILE": str(flag)}).start()
+    try:
+        rank = start_rank(d, "closes_behind_a_stuck_loop", 0, 1, "--group", "stuck-loop", stdin=subprocess.PIPE)
+        _line(rank, "READY")
+        flag.touch()
+        _say(rank)
+        took = finish(rank, timeout=60)["took"]
+        assert len(took) == 3 and max(took) < RELEASE_WAIT_S + 1.0 <= 3.0, took
+        flag.unlink()
+        wait_until(lambda: _held(d) == [], 30, "the releases, once the loop runs again")
+    finally:
+        flag.unlink(missing_ok=True)
+        assert d.stop() == 0, d.logs()
 
 
 def test_a_release_left_to_a_call_that_fails_still_goes_out(daemon):

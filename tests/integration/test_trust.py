@@ -13,10 +13,16 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+from peerd import protocol
+from peerd_client.connection import Connection
+from peerd_client.errors import DaemonUnavailable
 from tests.conftest import HERE, Daemon, wait_until
 
 ATTACKER, VICTIM, GROUP = "pdt-x", "pdt-y", "pdt-g"
@@ -232,3 +238,61 @@ def test_a_socket_this_user_may_not_reach_says_permission_denied_and_names_the_g
         assert f"members of group {GROUP} may" in result["message"]
     finally:
         assert d.stop() == 0
+
+
+IMPOSTOR = """
+import os, sys, time, zmq
+from peerd.protocol import encode_packed_reply, pack_body
+os.setgid(int(sys.argv[3]))
+os.setuid(int(sys.argv[2]))  # imported first: this user may not read the test's interpreter
+sock = zmq.Context().socket(zmq.DEALER)
+while True:  # the moment the daemon's socket is gone
+    try:
+        sock.bind("ipc://" + sys.argv[1])
+        break
+    except zmq.ZMQError:
+        time.sleep(0.01)
+time.sleep(0.5)  # the worker's socket reconnects by itself meanwhile
+for request_id in range(1, 20):
+    sock.send(encode_packed_reply(request_id, pack_body({"ok": True, "reason": ""})))
+time.sleep(5)
+"""
+
+
+def test_a_reply_from_another_process_bound_at_the_daemons_path_is_never_taken_for_its_answer(users,
+                                                                                              reachable_dir):
+    """ZeroMQ reconnects by itself. Where a daemon's socket sits in a directory others may bind in (a
+    sticky one, like /tmp), a user could bind its path once the daemon went away and answer a call that
+    still waited, before the drop was noticed: only hello's sender was checked. Every reply's is now."""
+    sticky = reachable_dir / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    path = str(sticky / "peerd.sock")
+    context = zmq.Context()
+    daemon = context.socket(zmq.ROUTER)  # a trusted daemon (root's) that answers hello, then goes away
+    daemon.bind("ipc://" + path)
+    hello_body = {"instance": 1, "version": "0", "protocol": protocol.VERSION, "pid": os.getpid(),
+                  "backend": "host", "rendezvous_timeout": 60.0, "agreement_timeout": 60.0}
+
+    def serve_hello_then_go() -> None:
+        identity, frame = daemon.recv_multipart()
+        daemon.send_multipart([identity, protocol.encode_packed_reply(protocol.decode_envelope(frame)[0],
+                                                                      protocol.pack_body(hello_body))])
+        daemon.recv_multipart()  # the vote below: never answered
+        daemon.close(linger=0)
+        os.unlink(path)
+
+    server = threading.Thread(target=serve_hello_then_go)
+    server.start()
+    attacker = users[ATTACKER]
+    impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, path, str(attacker.pw_uid), str(attacker.pw_gid)])
+    try:
+        conn = Connection(path)
+        with pytest.raises(DaemonUnavailable, match="went away"):
+            conn.call("agree", {"group": "g", "rank": 0, "npes": 2, "ok": False, "timeout": 30}, timeout=20,
+                      meanwhile=lambda: time.sleep(1.5))  # busy while the daemon goes and the impostor binds
+    finally:
+        server.join(10)
+        impostor.kill()
+        impostor.wait()
+        context.term()
