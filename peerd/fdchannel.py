@@ -68,6 +68,7 @@ from .access import GroupSource, peer_groups, secure_socket
 from .credentials import Credentials
 from .fdroom import FdRoom
 from .protocol import ErrorCode, ProtocolError
+from .tally import Tally
 from .trust import peer_credentials
 
 log = logging.getLogger("peerd.fdchannel")
@@ -101,12 +102,13 @@ Answer = Callable[[Credentials, GroupSource, Any], "tuple[list[bytes], list[int]
 class FdChannelServer:
     """The daemon's half, driven by the daemon's poller."""
 
-    def __init__(self, path: str, gid: int | None, answer: Answer, room: FdRoom) -> None:
+    def __init__(self, path: str, gid: int | None, answer: Answer, room: FdRoom, dropped: Tally) -> None:
         with contextlib.suppress(FileNotFoundError):  # left by a daemon that is gone: the caller holds the lock
             os.unlink(path)
         self.path = path
         self._answer = answer
         self._room = room  # a place for each connection kept open for its unread reply
+        self._dropped = dropped  # replies that could not go out, counted (a client that leaves at once can flood)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.setblocking(False)
         self._listener.bind(path)
@@ -265,8 +267,7 @@ class FdChannelServer:
             return {"ok": True, "handles": handles}, fds
         return {"ok": True, "handles": handles, "fd_index": [place[fd] for fd in fds]}, list(place)
 
-    @staticmethod
-    def _send(conn: socket.socket, reply: dict, fds: list[int]) -> int:
+    def _send(self, conn: socket.socket, reply: dict, fds: list[int]) -> int:
         """Send the reply with its fds; how many of its messages went out (each with its fds in flight)."""
         chunks = [fds[i:i + FDS_PER_MESSAGE] for i in range(0, len(fds), FDS_PER_MESSAGE)] or [[]]
         sent = 0
@@ -275,7 +276,7 @@ class FdChannelServer:
                 socket.send_fds(conn, [msgpack.packb(reply, use_bin_type=True) if sent == 0 else MORE], chunk)
                 sent += 1
         except OSError as err:  # EAGAIN: it does not read; anything else: it left
-            log.warning("fd channel: dropped a reply that could not go out: %s", err)
+            self._dropped.add(err.strerror or str(err))
             if err.errno == errno.ETOOMANYREFS and sent == 0:  # the client still reads: tell it why, with no fd
                 with contextlib.suppress(OSError):
                     conn.send(msgpack.packb({"ok": False, "code": ErrorCode.LIMIT_EXCEEDED.value, "message": (

@@ -128,7 +128,9 @@ class Daemon:
         self._refused: set[bytes] = set()  # connections already logged as refused
         self._dropped = Tally(log, "dropped %d reply(ies)")
         self._malformed = Tally(log, "refused %d malformed message(s)")  # a flood of them is a few lines
-        self._tallies = (self._dropped, self._malformed)
+        self._outsiders = Tally(log, "refused %d connection(s) outside the allowlist", each=10)
+        self._fd_dropped = Tally(log, "fd channel: dropped %d reply(ies) that could not go out")
+        self._tallies = (self._dropped, self._malformed, self._outsiders, self._fd_dropped)
         self._stuck = StuckSets()  # the stuck sets status reports, found by one walk a second at most
         self._handlers = {name: self._handler(op) for name, op in OPS.items()}
         self._reloader = Reloader(self._read_settings, self._wake_loop)  # SIGHUP's reads, off the loop
@@ -160,7 +162,7 @@ class Daemon:
         self._router.bind(endpoint(self.socket_path))
         secure_socket(self.socket_path, self.socket_gid)
         self._fd_channel = FdChannelServer(fd_socket_path(self.socket_path), self.socket_gid, self._member_fds,
-                                           self._fd_room)
+                                           self._fd_room, self._fd_dropped)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -424,7 +426,8 @@ class Daemon:
             if len(self._refused) > 10_000:
                 self._refused.clear()
             self._refused.add(identity)
-            log.warning("refused pid %d (uid %d, gid %d): not in the allowlist", who.pid, who.uid, who.gid)
+            self._outsiders.add(f"uid {who.uid}, gid {who.gid}",
+                                f"refused pid {who.pid} (uid {who.uid}, gid {who.gid}): not in the allowlist")
         try:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same

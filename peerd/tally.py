@@ -16,15 +16,26 @@ LOG_EVERY_S = 10.0
 
 
 class Tally:
-    def __init__(self, logger: logging.Logger, what: str):
+    def __init__(self, logger: logging.Logger, what: str, each: int = 0):
         self.total = 0
         self._log = logger
         self._what = what  # e.g. "shut down %d connection(s)"
         self._pending: Counter[str] = Counter()  # cause -> count not yet logged
         self._next_log = 0.0
+        self._each = each  # refusals logged on a line of their own per interval; the rest go in the summary
+        self._told, self._interval_ends = 0, 0.0
 
-    def add(self, cause: str) -> None:
+    def add(self, cause: str, detail: str | None = None) -> None:
+        """Count one refusal; ``detail``, its own line, is logged at once while fewer than ``each`` were
+        this interval (one caller's refusal says who; a thousand are a count by cause)."""
         self.total += 1
+        now = time.monotonic()
+        if now >= self._interval_ends:
+            self._told, self._interval_ends = 0, now + LOG_EVERY_S
+        if detail is not None and self._told < self._each:
+            self._told += 1
+            self._log.warning("%s", detail)
+            return
         self._pending[cause] += 1
         self.flush()
 

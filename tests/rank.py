@@ -666,6 +666,23 @@ def closes_behind_a_stuck_loop(args) -> dict:
     return {"took": took}
 
 
+def connections(args) -> dict:
+    """Open --hold connections to the daemon one after another, each greeted (or refused) and closed: the
+    codes of their hellos' refusals."""
+    from peerd.paths import default_socket
+    from peerd_client import MonoUnsupported
+    from peerd_client.connection import Connection
+
+    codes = []
+    for _ in range(int(args.hold)):
+        try:
+            Connection(default_socket()).close()
+            codes.append(None)
+        except MonoUnsupported as err:
+            codes.append(err.code)
+    return {"codes": codes}
+
+
 def join_alone(args):
     """A thread waiting in a join that nobody answers (a group of its own, --timeout), inside its call once
     this returns; what the join raised lands in the dict."""
@@ -932,6 +949,7 @@ SCENARIOS = {
     "close_race": close_race,
     "interruptible": interruptible,
     "ctrl_c_storm": ctrl_c_storm,
+    "connections": connections,
     "closes_behind_a_stuck_loop": closes_behind_a_stuck_loop,
     "released_behind_a_busy_thread": released_behind_a_busy_thread,
     "bad_timeouts": bad_timeouts,

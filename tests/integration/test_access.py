@@ -96,6 +96,20 @@ def test_the_allowlist_refuses_another_user_once_per_connection(socket_dir, prob
         assert d.stop() == 0
 
 
+def test_a_refused_user_cycling_connections_costs_a_few_log_lines_not_one_each(socket_dir, probe_user):
+    """Each refused connection was a warning of its own: a user in the socket group but outside the
+    allowlist wrote 3000 lines in a second. The first few of an interval name their pid; the rest are
+    counted, a line per uid."""
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--allow-gid", "root")
+    try:
+        result = run_ranks(d, "connections", 1, "--hold", "40", *as_user(probe_user))[0]
+        assert result["codes"] == ["FORBIDDEN"] * 40, result
+        refusals = [line for line in d.logs().splitlines() if "not in the allowlist" in line]
+        assert len(refusals) == 10 and f"(uid {probe_user[0]}," in refusals[0], refusals
+    finally:
+        assert d.stop() == 0
+
+
 def test_a_caller_the_allowlist_refuses_gets_status_and_ls_exit_3_with_the_reason(socket_dir, probe_user):
     """A probe run as a refused user must not read as degraded (1), nor get a traceback: it cannot read
     the daemon's health, which is what 3 means to it."""

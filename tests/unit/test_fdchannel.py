@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ import zmq
 from peerd.fdchannel import FDS_PER_MESSAGE, FdChannelServer, FdRequest, fetch_fds
 from peerd.fdroom import FdRoom
 from peerd.protocol import ErrorCode, ProtocolError
+from peerd.tally import Tally
 
 
 @pytest.fixture
@@ -33,7 +35,8 @@ def channel(tmp_path, room):
             raise answers[request["rank"]]
         return answers[request["rank"]]
 
-    server = FdChannelServer(str(tmp_path / "peerd.sock.fd"), None, answer, room)
+    server = FdChannelServer(str(tmp_path / "peerd.sock.fd"), None, answer, room,
+                             Tally(logging.getLogger("test"), "dropped %d"))
     poller, stop = zmq.Poller(), threading.Event()
     server.attach(poller)
 
