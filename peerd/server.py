@@ -10,6 +10,7 @@ any socket, so SIGTERM is handled between two messages, never inside one.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -74,6 +75,13 @@ ROUTER_SNDHWM = 32
 #: connection delays another's request by one message, never by its backlog.
 MESSAGES_PER_TURN = ROUTER_SNDHWM
 TURN_S = 0.01
+#: Frames of a message beyond identity + one payload (which no client sends) dropped between two looks
+#: at the turn's time: libzmq bounds each frame, not their number, and reading millions of empty ones in
+#: one recv_multipart kept the loop (and systemd's watchdog ping) away for half a minute.
+DROP_FRAMES_PER_LOOK = 4096
+#: glibc's malloc_trim (None elsewhere), and how often a dropped message may cost one
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+TRIM_EVERY_S = 10.0
 
 log = logging.getLogger("peerd.server")
 
@@ -126,6 +134,8 @@ class Daemon:
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
+        self._oversized = False  # the router's next frames are the rest of a message no client sends
+        self._next_trim = 0.0
         self._dropped = Tally(log, "dropped %d reply(ies)")
         self._malformed = Tally(log, "refused %d malformed message(s)")  # a flood of them is a few lines
         self._outsiders = Tally(log, "refused %d connection(s) outside the allowlist", each=10)
@@ -357,13 +367,41 @@ class Daemon:
         can neither hold replies back nor keep the loop from timers, deaths and signals."""
         turn_ends = time.monotonic() + TURN_S
         for _ in range(MESSAGES_PER_TURN):
+            if self._oversized and not self._drop_oversized(turn_ends):
+                return
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = [self._router.recv(zmq.NOBLOCK, copy=False)]
+                while frames[-1].more and len(frames) < 3:  # a message's frames are all there once its first is
+                    frames.append(self._router.recv(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
+            self._oversized = frames[-1].more
             self._deliver(self._handle(frames))
             if time.monotonic() >= turn_ends:
                 return
+
+    def _drop_oversized(self, turn_ends: float) -> bool:
+        """Drop the rest of a message of more frames than a request has, over as many turns as it takes:
+        whether it ended in this one."""
+        while time.monotonic() < turn_ends:
+            for _ in range(DROP_FRAMES_PER_LOOK):
+                try:
+                    more = self._router.recv(zmq.NOBLOCK, copy=False).more
+                except zmq.Again:
+                    more = False
+                if not more:
+                    self._oversized = False
+                    self._trim_heap()
+                    return True
+        return False
+
+    def _trim_heap(self) -> None:
+        """Give the heap that libzmq's I/O thread filled with a dropped message's frames back to the system
+        (it kept hundreds of MB after one), at most once per TRIM_EVERY_S whatever a client sends."""
+        now = time.monotonic()
+        if _malloc_trim is not None and now >= self._next_trim:
+            self._next_trim = now + TRIM_EVERY_S
+            _malloc_trim(0)
 
     def _handle(self, frames: list[zmq.Frame]) -> Outbox:
         if len(frames) != 2:

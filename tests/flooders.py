@@ -20,6 +20,9 @@ way), then keeps it up until it is killed:
   keep     --count one-rank sets of --nbytes, each of its own group: fetches each set's memfd and the
            uid's control page area over the fd channel as its member may, keeps both fds and releases the set;
            READY says how many sets it had and the bytes each kept fd still held once the daemon closed them
+  frames   one message of --count empty frames (libzmq bounds a frame, not their number), then a
+           `hello` on the same connection; prints DRAINED once the hello is answered (the daemon read
+           past the message), and holds on
   orphans  --count connections, each opened by a process that forks a child (which inherits it and
            never speaks on it, as a data loader) and exits; the children live as long as this flooder,
            and so do the openers as zombies with --unreaped (their pids stay taken)
@@ -125,6 +128,17 @@ def hello(args) -> None:
     ready()
     while True:
         sock.send(frame)
+
+
+def frames(args) -> None:
+    sock = _dealer(args, SNDHWM=0)
+    sock.send_multipart([b""] * args.count + [request(1, "hello", {})])
+    sock.send(request(2, "hello", {}))
+    ready(frames=args.count)
+    while msgpack.unpackb(sock.recv())["id"] != 2:
+        pass
+    print("DRAINED", flush=True)
+    hold()
 
 
 def orphans(args) -> None:
@@ -257,7 +271,7 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
 
 
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep}
+         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep, "frames": frames}
 
 
 def main() -> None:

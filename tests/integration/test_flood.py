@@ -25,8 +25,11 @@ from pathlib import Path
 import pytest
 
 from peerd.connections import FDS_RESERVED, MONITOR_LAG
+from peerd.fdchannel import fetch_fds
 from peerd.fdroom import FDS_LEFT_PER_CONNECTION
 from peerd.pagearea import AREA_PAGES
+from peerd.paths import fd_socket_path
+from peerd.protocol import ProtocolError
 from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
@@ -189,6 +192,28 @@ def test_a_partial_frame_is_dropped_at_its_header(procs, socket_dir, users):
     partial, _ = flood(procs, d, "partial", users[STRANGER], 300)
     assert_served(d, users, "beside-partial")
     end(d, partial)
+
+
+def test_a_message_of_millions_of_frames_never_holds_the_loop(procs, socket_dir, users):
+    """libzmq bounds each frame, not their number: one message of two million empty frames (4 MB on the
+    wire) from a user the allowlist refuses was read in one recv_multipart, which held the loop (timers,
+    deaths, the fd channel, systemd's watchdog) for seconds; at nine million, past the shipped unit's
+    WatchdogSec, which then killed the daemon and failed every group. Its frames are dropped a few
+    thousand at a time between turns now: the fd channel, served by the loop, answers meanwhile."""
+    bystander_uid = users[BYSTANDER].split(":")[0]
+    d = start_daemon(procs, socket_dir, "--allow-gid", "root", "--allow-uid", bystander_uid)
+    flooder, _ = flood(procs, d, "frames", users[STRANGER], 2_000_000)
+    longest = 0.0  # the longest an fd channel request waited for its answer until the daemon read past it
+    while not select.select([flooder.stdout], [], [], 0)[0]:
+        asked = time.monotonic()
+        with pytest.raises(ProtocolError):  # a set nobody holds: refused, by the loop
+            fetch_fds(fd_socket_path(d.socket), {"group": "g", "name": "n", "rank": 0}, 30)
+        longest = max(longest, time.monotonic() - asked)
+        time.sleep(0.02)
+    assert flooder.stdout.readline().startswith("DRAINED")
+    assert longest < 1.0, f"an fd channel request waited {longest:.1f}s for the loop (4 s and more before)"
+    assert_served(d, users, "beside-frames")
+    end(d, flooder)
 
 
 def test_a_client_that_does_not_read_cannot_make_the_daemon_queue_its_replies(procs, socket_dir, users):
