@@ -6,11 +6,9 @@ import logging
 import os
 import time
 
-from peerd.ops import OPS
 from peerd.pageagree import PageVoter
-from peerd.protocol import ProtocolError, check_fields
 
-from .connection import GRACE_S, connection
+from .connection import GRACE_S, checked_timeout, connection
 from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import joined_by, resolve
 from .pagelink import GroupLink, link_for
@@ -32,10 +30,7 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     round False."""
     if group is None:
         return bool(ok)
-    try:  # the agree op's own check, on both paths: the page's wait would have no deadline
-        check_fields("tp_agree", {"timeout": OPS["agree"].request["timeout"]}, {"timeout": timeout}, closed=True)
-    except ProtocolError as err:
-        raise MonoUnsupported(err.message, err.code.value) from None
+    checked_timeout("tp_agree", timeout)  # on both paths: the page's wait would have no deadline
     link = link_for(group) if isinstance(group, str) else None
     voter = link.voter if link is not None else None  # once: another thread's close() may clear it
     if voter is not None and not link.daemon_gone and \

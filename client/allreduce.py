@@ -152,6 +152,9 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     every eager call read its status at once (a synchronization). None polls
     nothing.
     """
+    addresses = buf.addresses
+    if addresses is None:
+        raise ValueError(f"this PeerBuffer (group={buf.group_key} name={buf.name}) is closed: build another")
     implicit = abort is BUFFERS_PAGE
     if implicit:
         abort = getattr(buf, "abort_source", None)
@@ -159,8 +162,8 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
     out = torch.empty_like(x) if out is None else out
     if x.dtype not in DTYPES:
         raise TypeError(f"all_reduce sums {' or '.join(map(str, DTYPES))}, not {x.dtype}")
-    if x.device != buf.addresses.device:
-        raise ValueError(f"x is on {x.device}, this buffer on {buf.addresses.device}")
+    if x.device != addresses.device:
+        raise ValueError(f"x is on {x.device}, this buffer on {addresses.device}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     if (out.shape, out.dtype, out.device) != (x.shape, x.dtype, x.device) or not out.is_contiguous():
@@ -188,7 +191,7 @@ def all_reduce(buf, x: torch.Tensor, out: torch.Tensor | None = None, *, timeout
         raise NotImplementedError("a kernel deadline needs %globaltimer (CUDA); on ROCm pass abort only")
     with torch.cuda.device(x.device):
         _one_shot[(1,)](
-            x, out, buf.addresses, status, buf.rank, x.numel(), layout.header, layout.slot,
+            x, out, addresses, status, buf.rank, x.numel(), layout.header, layout.slot,
             0 if abort is None else abort.abort_address, int((deadline or 0) * 1e9),
             NPES=buf.npes, BLOCK=BLOCK, HAS_ABORT=abort is not None, HAS_DEADLINE=deadline is not None,
             IS_HIP=bool(torch.version.hip), num_warps=NUM_WARPS,

@@ -11,7 +11,7 @@ from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
 from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
-from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, connection
+from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_timeout, connection
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, remember, resolve
 from .mappings import ChunkKey, mappings
@@ -72,6 +72,7 @@ class PeerBuffer:
     ):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        checked_timeout("PeerBuffer", timeout)
         require_torch()  # before any call to the daemon: without torch, nothing is asked of it
         finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
         self._pid = os.getpid()

@@ -41,9 +41,10 @@ import zmq
 
 from peerd.paths import check_socket_path, default_socket, endpoint
 from peerd.protocol import (
-    MAX_FRAME_BYTES, MAX_TIMEOUT_S, VERSION, ProtocolError, Reply, decode_reply, encode_request, is_wait,
+    MAX_FRAME_BYTES, MAX_TIMEOUT_S, VERSION, ProtocolError, Reply, check_fields, decode_reply, encode_request,
+    is_wait,
 )
-from peerd.ops import check_reply, validate_request
+from peerd.ops import OPS, check_reply, validate_request
 from peerd.trust import (
     DAEMON_USER_ADVICE,
     SocketPathError,
@@ -380,6 +381,16 @@ def _checked(op: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` as validated for ``op``: a bad call fails here, with the field named, not in the daemon."""
     try:
         return validate_request(op, body)
+    except ProtocolError as err:
+        raise MonoUnsupported(err.message, err.code.value) from None
+
+
+def checked_timeout(where: str, timeout: float | None) -> None:
+    """MonoUnsupported (BAD_REQUEST) naming ``timeout`` unless it is a wait the protocol carries (or None
+    for the daemon's default): checked before anything waits on it (an infinite one overflowed a lock's
+    wait, a string failed in arithmetic)."""
+    try:
+        check_fields(where, {"timeout": OPS["agree"].request["timeout"]}, {"timeout": timeout}, closed=True)
     except ProtocolError as err:
         raise MonoUnsupported(err.message, err.code.value) from None
 

@@ -253,7 +253,13 @@ def bad_timeouts(args) -> dict:
     buf = PeerBuffer(args.nbytes, args.group, 0, 1)
     on_page = codes(args.group)
     buf.close()
-    return {"page": on_page, "messages": codes(args.group + "-msg", rank=0, npes=1)}
+    refused = []
+    for bad in (float("nan"), float("inf"), -1.0, "5"):
+        try:
+            PeerBuffer(args.nbytes, args.group + "-buf", 0, 1, timeout=bad)
+        except MonoUnsupported as err:
+            refused.append(err.code)
+    return {"page": on_page, "messages": codes(args.group + "-msg", rank=0, npes=1), "buffer": refused}
 
 
 def queued(args) -> dict:

@@ -73,6 +73,9 @@ def test_what_cannot_be_reduced_is_refused_before_touching_the_buffer():
     with pytest.raises(ValueError, match="out must be"):
         all_reduce(buf, torch.zeros(4), out=torch.zeros(5))
     assert epoch_of(buf) == 0 and not buf.memory[0].any()
+    buf.addresses = None  # as close() leaves it
+    with pytest.raises(ValueError, match="group=local name=default.* is closed"):
+        all_reduce(buf, torch.zeros(4))
 
 
 def test_a_peer_that_never_comes_is_a_timeout_naming_it():

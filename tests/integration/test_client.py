@@ -63,6 +63,7 @@ def test_a_chunk_is_mapped_once_per_process_however_often_it_is_opened(daemon):
 def test_a_deadline_no_wait_can_honour_is_refused_alike_on_the_page_and_through_the_daemon(daemon):
     (r,) = run_ranks(daemon, "bad_timeouts", 1, "--group", "deadlines")
     assert r["page"] == r["messages"] == ["BAD_REQUEST"] * 4 + [True], r
+    assert r["buffer"] == ["BAD_REQUEST"] * 4, "refused before it is used: inf overflowed a lock's wait"
 
 
 def test_a_call_waiting_for_another_threads_turn_on_the_connection_ends_at_its_own_deadline(daemon):
