@@ -103,9 +103,7 @@ class FdChannelServer:
     """The daemon's half, driven by the daemon's poller."""
 
     def __init__(self, path: str, gid: int | None, answer: Answer, room: FdRoom, dropped: Tally) -> None:
-        with contextlib.suppress(FileNotFoundError):  # left by a daemon that is gone: the caller holds the lock
-            os.unlink(path)
-        self.path = path
+        self.path = path  # free: the daemon took its lock, and cleared a socket one that is gone left there
         self._answer = answer
         self._room = room  # a place for each connection kept open for its unread reply
         self._dropped = dropped  # replies that could not go out, counted (a client that leaves at once can flood)

@@ -153,6 +153,7 @@ class Daemon:
         self._lock.acquire()
         try:
             remove_stale_socket(self.socket_path)
+            remove_stale_socket(fd_socket_path(self.socket_path))
         except NotASocket:
             self._lock.release()
             raise

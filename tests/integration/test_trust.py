@@ -168,9 +168,12 @@ def test_a_socket_directory_under_a_parent_another_user_owns_is_refused_by_both(
         assert d.stop() == 0
 
 
+@pytest.mark.parametrize("at", ["socket", "fd channel"])
 @pytest.mark.parametrize("planted", ["file", "directory", "symlink"])
-def test_serve_leaves_anything_but_a_stale_socket_at_its_path_untouched(reachable_dir, planted):
-    path = reachable_dir / "run" / "peerd.sock"
+def test_serve_leaves_anything_but_a_stale_socket_at_its_path_untouched(reachable_dir, planted, at):
+    """At its socket's path, or its fd channel's beside it (SOCKET.fd, which it unlinked whatever it was)."""
+    sock = reachable_dir / "run" / "peerd.sock"
+    path = sock if at == "socket" else Path(f"{sock}.fd")
     path.parent.mkdir(mode=0o700)
     kept = reachable_dir / "kept"
     kept.write_text("precious")
@@ -181,7 +184,7 @@ def test_serve_leaves_anything_but_a_stale_socket_at_its_path_untouched(reachabl
         (path / "inside").write_text("precious")
     else:
         path.symlink_to(kept)
-    refused = serve("--socket", str(path))
+    refused = serve("--socket", str(sock))
     words = {"file": "a regular file", "directory": "a directory", "symlink": "a symlink"}[planted]
     assert refused.returncode != 0 and f"{path} is {words}, not a socket" in refused.stderr, refused.stderr
     assert "leaves it as it is" in refused.stderr
@@ -191,7 +194,7 @@ def test_serve_leaves_anything_but_a_stale_socket_at_its_path_untouched(reachabl
         assert (path / "inside").read_text() == "precious"
     else:
         assert path.is_symlink() and kept.read_text() == "precious"
-    assert not os.path.exists(f"{path}.lock"), "the lock is given back"
+    assert not os.path.exists(f"{sock}.lock"), "the lock is given back"
 
 
 def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_kept(reachable_dir):
