@@ -9,6 +9,7 @@ each POLL_INTERVAL seconds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -51,7 +52,8 @@ class PidWatcher:
                 f"daemon (at most {self.max_per_uid}); pid {pid} must wait until some of them exit")
 
     def watch(self, pid: int, uid: int | None) -> int | None:
-        """Start watching pid (``refusal`` said yes); the new pidfd to poll, if one was made."""
+        """Start watching pid (``refusal`` said yes); the new pidfd to poll, if one was made. OSError where
+        the kernel has no fd or memory for one now: that pid is not watched, and pidfds stay on for all."""
         if pid in self._uid_of:
             return None
         self._uid_of[pid] = uid
@@ -63,7 +65,10 @@ class PidWatcher:
         except ProcessLookupError:
             self._dead.append(pid)
             return None
-        except OSError as err:  # ENOSYS, EPERM under seccomp: fall back for good
+        except OSError as err:
+            if err.errno not in (errno.ENOSYS, errno.EPERM):  # EMFILE, ENFILE, ENOMEM: for now, and for this pid
+                self._forget(pid)
+                raise
             log.warning("pidfd_open unavailable (%s); checking client pids every %.1fs", err, POLL_INTERVAL)
             self.polling = True
             return None

@@ -491,7 +491,11 @@ class Daemon:
                 refusal = self._watcher.refusal(who.pid, who.uid)
                 if refusal:
                     return [Send(caller, error=ProtocolError(ErrorCode.LIMIT_EXCEEDED, refusal))]
-                fd = self._watcher.watch(who.pid, who.uid)
+                try:
+                    fd = self._watcher.watch(who.pid, who.uid)
+                except OSError as err:
+                    message = f"the daemon cannot watch pid {who.pid} for its death now ({err.strerror}): try again"
+                    return [Send(caller, error=ProtocolError(ErrorCode.LIMIT_EXCEEDED, message))]
                 if fd is not None:
                     self._poller.register(fd, zmq.POLLIN)
             return method(caller, who, body, time.monotonic())

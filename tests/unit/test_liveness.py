@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import select
 import subprocess
 import sys
 import time
 
+import pytest
+
+from peerd import liveness
 from peerd.liveness import POLL_INTERVAL, PidWatcher
 
 
@@ -66,4 +71,25 @@ def test_a_uid_gets_at_most_its_share_of_watched_processes_and_a_death_frees_a_p
         for child in children:
             child.kill()
             child.wait()
+        watcher.close()
+
+
+def test_no_fd_for_a_pidfd_now_refuses_that_pid_and_keeps_pidfds_on_for_the_rest(monkeypatch):
+    """Any pidfd_open error switched the daemon to polling pids for good, with its pid-reuse windows, for
+    every process (a pid of 0, or EMFILE once); only a kernel without pidfds does now."""
+    def no_fd(pid):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    watcher, child = PidWatcher(), _sleeper()
+    real = os.pidfd_open
+    monkeypatch.setattr(liveness.os, "pidfd_open", no_fd)
+    with pytest.raises(OSError):
+        watcher.watch(child.pid, 1000)
+    assert not watcher.polling and watcher.refusal(child.pid, 1000) is None and not watcher._uid_of
+    monkeypatch.setattr(liveness.os, "pidfd_open", real)
+    try:
+        assert watcher.watch(child.pid, 1000) is not None, "watched by a pidfd once one can be had"
+    finally:
+        child.kill()
+        child.wait()
         watcher.close()
