@@ -318,11 +318,10 @@ class Arenas:
         if (chunk.dedicated or self.idle_s == 0) and not chunk.used and not chunk.mappers:
             self._drop(chunk)  # nothing else will use it: zeroing it would be wasted
             return
-        if chunk.dedicated:  # never placed in again: it goes back once its last mapper exits
-            chunk.empty_since = now
-            return
         if not chunk.used:
             chunk.empty_since = now
+        if chunk.dedicated:  # never placed in again: it goes back once its last mapper exits
+            return
         # where zero raises at once (a driver refusing a memset) the range never rejoins the free list; its
         # chunk still goes back when idle
         self._source.zero(chunk.token, placement.offset, size)
