@@ -82,6 +82,8 @@ def seconds_from_env(name: str, default: float) -> float:
 
 
 CONNECT_TIMEOUT_S = seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
+#: a hello unanswered this long asks the socket whether anyone listens: a stale one fails now, not at the timeout
+STALE_LOOK_S = 0.25
 REQUEST_TIMEOUT_S = seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -93,6 +95,19 @@ PROBE_TIMEOUT_S = 2.0
 RETRY_EVERY_S = 1.0
 RETRY_MOST_EVERY_S = 30.0
 CLOSED = "closed"
+
+
+def listened_at(path: str) -> bool:
+    """Whether a process listens on the Unix socket at ``path``: a refused connect says the socket file is
+    left from a daemon that stopped (ZeroMQ would retry it quietly until the hello times out)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as probe:
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:  # a full backlog (EAGAIN) or a permission problem: not this check's to judge
+            return True
+    return True
 
 
 class Connection:
@@ -158,8 +173,14 @@ class Connection:
         gone, a reply could otherwise come from that user's process.
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
-        if not self._sock.poll(int(timeout * 1000) + 1):
-            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s")
+        first = min(timeout, STALE_LOOK_S)
+        if not self._sock.poll(int(first * 1000) + 1):
+            if not listened_at(self.path):
+                raise DaemonUnavailable(
+                    f"no peerd daemon listens at {self.path}: the socket is left from one that stopped. Start one "
+                    "with `peerd serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs")
+            if not self._sock.poll(int((timeout - first) * 1000) + 1):
+                raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s")
         frame = self._sock.recv(copy=False)
         sender = credentials(frame)
         if sender is None or sender.uid not in trusted:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
+from pathlib import Path
 
 from tests.conftest import Daemon, run_ranks, wait_until
 
@@ -32,16 +35,38 @@ def test_no_daemon_is_daemon_unavailable_saying_how_to_start_one(socket_dir):
     assert "no peerd daemon socket at" in result["message"] and "peerd serve" in result["message"]
 
 
-def test_a_stale_socket_with_no_daemon_is_daemon_unavailable_within_the_connect_timeout(socket_dir):
+def test_a_stale_socket_with_no_daemon_fails_at_once_saying_nobody_listens(socket_dir):
+    """A crashed daemon's socket file: ZeroMQ retries it quietly, so the rank waited out the whole connect
+    timeout for a hello nobody could send, and the error did not say why."""
     import socket as sk
 
     path = os.path.join(socket_dir, "stale.sock")
     s = sk.socket(sk.AF_UNIX, sk.SOCK_STREAM)
     s.bind(path)  # a socket file nobody listens on, as a crashed daemon leaves it
     s.close()
-    ghost = Daemon(path, None, extra_env={"PEERD_CONNECT_TIMEOUT": "1"})
-    (result,) = run_ranks(ghost, "agree", 2, ranks=[0], timeout=30)
-    assert result["type"] == "DaemonUnavailable" and "did not answer hello within 1s" in result["message"]
+    ghost = Daemon(path, None, extra_env={"PEERD_CONNECT_TIMEOUT": "20"})
+    began = time.monotonic()
+    (result,) = run_ranks(ghost, "agree", 2, ranks=[0], timeout=60)
+    assert result["type"] == "DaemonUnavailable", result
+    assert f"no peerd daemon listens at {path}" in result["message"] and "peerd serve" in result["message"]
+    assert time.monotonic() - began < 15, "it waited out the 20 s connect timeout"
+
+
+def test_a_daemon_that_listens_but_never_answers_is_waited_for_the_whole_connect_timeout(socket_dir):
+    """The stale-socket check must not cut short a daemon that is only slow: its loop stuck (a hung
+    driver call), it still accepts connections, and the hello is waited for until the timeout."""
+    flag = Path(socket_dir) / "stall"
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               launcher=(sys.executable, str(Path(__file__).parent.parent / "stalling_daemon.py")),
+               daemon_env={"PEERD_TEST_STALL_FILE": str(flag)}, extra_env={"PEERD_CONNECT_TIMEOUT": "2"}).start()
+    try:
+        flag.touch()
+        (result,) = run_ranks(d, "agree", 2, ranks=[0], timeout=60)
+        assert result["type"] == "DaemonUnavailable", result
+        assert f"peerd daemon at {d.socket} did not answer hello within 2s" in result["message"], result
+    finally:
+        flag.unlink(missing_ok=True)
+        assert d.stop() == 0, d.logs()
 
 
 def test_without_torch_peerbuffer_says_so_and_tp_agree_still_works(daemon):
