@@ -28,7 +28,7 @@ from .pages import NoPages, Pages
 from .paging import page
 from .protocol import DEFAULT_DEADLINE_S, LS_PAGE_BYTES, MAX_LS_PAGE, ErrorCode, ProtocolError
 from .quotas import Limits, Quotas
-from .rendezvous import Allocate, Free, Handed, Ready, Rendezvous
+from .rendezvous import Allocate, Footprint, Free, Handed, Ready, Rendezvous
 from .timers import Timers, Waits
 
 
@@ -46,6 +46,7 @@ class Registry:
         handed: Handed = lambda allocations, pids: None,  # memory that needs no record of who maps it
         pages: NoPages | Pages = NoPages(),
         ready: Ready = lambda allocation: True,  # memory handed out as soon as it is allocated
+        footprint: Footprint = lambda nbytes: nbytes,  # the size an allocation of nbytes has
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
@@ -53,7 +54,7 @@ class Registry:
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
         self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages, ready,
                                 left=lambda *member: self._agreements.rank_left(*member),
-                                back=lambda *member: self._agreements.rank_back(*member))
+                                back=lambda *member: self._agreements.rank_back(*member), footprint=footprint)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

@@ -36,6 +36,7 @@ from .timers import Timers, Waits
 log = logging.getLogger("peerd.rendezvous")
 
 Allocate = Callable[[int, str, int, "int | None"], Allocation]  # (nbytes, device, flags, owner uid)
+Footprint = Callable[[int], int]  # nbytes -> the bytes its allocation takes
 Free = Callable[[Allocation, Sequence[int]], None]  # (buffer, live pids an eviction took it from: they may map it)
 Handed = Callable[[list[Allocation], list[int]], None]  # these pids were handed these buffers (they may map them)
 Ready = Callable[[Allocation], bool]  # whether a buffer's memory may go out yet; ProtocolError where it never will
@@ -86,10 +87,12 @@ class Rendezvous:
     def __init__(self, allocate: Allocate, free: Free, handed: Handed, timers: Timers, quotas: Quotas, waits: Waits,
                  pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
                  left: Left = lambda uid, group, rank, pid, reason: [],
-                 back: Back = lambda uid, group, rank, pid, opened: None):
+                 back: Back = lambda uid, group, rank, pid, opened: None,
+                 footprint: Footprint = lambda nbytes: nbytes):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._left, self._back = left, back  # the group's agreement, told as a member leaves it and comes back
         self._allocate = allocate
+        self._footprint = footprint  # what the quotas check: the size the allocation will have, not the asked one
         self._ready = ready
         self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
         # that wait for memory there: a chunk's readiness asks those alone
@@ -152,7 +155,7 @@ class Rendezvous:
     def _take_slot(self, bset: BufferSet, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         """Allocate ``rank``'s buffer within its uid's and device's share; open the set once every rank is in."""
         rank, device, pid, uid = req["rank"], req["device"], who.pid, who.uid
-        refusal = self._quotas.usage_refusal(bset.nbytes, uid, device)
+        refusal = self._quotas.usage_refusal(self._footprint(bset.nbytes), uid, device)
         if refusal:
             bset.heard(rank)
             message = f"rank {rank} (pid {pid}): {refusal}"

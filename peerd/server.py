@@ -119,6 +119,7 @@ class Daemon:
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages, ready=self._ready,
+            footprint=backend.footprint,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(

@@ -75,6 +75,11 @@ class MemoryBackend(ABC):
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """A zero-filled buffer of at least nbytes for processes of ``uid``; AllocationFailed or UnknownDevice when impossible."""
 
+    @abstractmethod
+    def footprint(self, nbytes: int) -> int:
+        """The bytes a buffer of ``nbytes`` takes (its allocation's size): what the byte quotas count, checked
+        before anything is allocated."""
+
     #: readable when memory that was not ``ready`` may be now (then ask ``woken`` which); None: always ready
     ready_fd: int | None = None
 

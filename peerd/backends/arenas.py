@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, OverCap, Placement
+from ..arena import DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S, Arenas, OverCap, Placement, align
 from ..fdroom import FdRoom
 from ..sizes import human
 from . import Allocation, AllocationFailed, ChunkMemory, MemoryBackend
@@ -58,6 +58,9 @@ class ArenaMemory(MemoryBackend):
         """Reserved vs handed-out bytes by (device, uid), for the metrics."""
         with self._lock:
             return self.arenas.usage()
+
+    def footprint(self, nbytes: int) -> int:
+        return align(nbytes)
 
     def allocate(self, nbytes: int, device: str, flags: int, uid: int | None) -> Allocation:
         """A buffer in a chunk of ``uid``'s; where no new chunk can be had, the empty chunks nobody maps, kept

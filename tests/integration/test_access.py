@@ -237,6 +237,20 @@ def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
         assert d.stop() == 0
 
 
+def test_the_byte_limits_count_a_buffer_as_it_is_allocated_aligned(socket_dir):
+    """A buffer takes its size rounded up to 4 KiB: checking the asked size let a uid hold up to 4095
+    bytes a buffer past --max-bytes-per-uid, counted past it in status."""
+    d = daemon_with(socket_dir, "--max-bytes-per-uid", "10000")
+    try:
+        over = run_ranks(d, "join", 1, "--group", "odd", "--nbytes", "9000", ranks=[0])[0]
+        assert over["code"] == "LIMIT_EXCEEDED", over
+        assert "uid 0 holds 0 bytes and asks for 12288 more, over its limit of 10000" in over["message"], over
+        (fits,) = run_ranks(d, "join", 1, "--group", "even", "--nbytes", "8192")
+        assert fits["ok"], fits
+    finally:
+        assert d.stop() == 0
+
+
 def test_the_device_limit(socket_dir):
     d = daemon_with(socket_dir, "--max-bytes-per-device", "1MiB")
     try:
