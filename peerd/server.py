@@ -158,11 +158,8 @@ class Daemon:
         except NotASocket:
             self._lock.release()
             raise
-        fd_limit = self._fd_limit = raise_fd_limit()
-        self._fd_room.size = room_within(fd_limit, self.settings.max_connections)
-        unsafe = self.settings.connection_limits.unsafe_under(fd_limit)
-        if unsafe:
-            log.warning("%s", unsafe)
+        self._fd_limit = raise_fd_limit()
+        self._fit_to_fd_limit()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.RCVHWM, ROUTER_RCVHWM),
@@ -253,12 +250,20 @@ class Daemon:
             self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
             self._guard.limits = self.settings.connection_limits
             self._watcher.max_per_uid = self.settings.max_processes_per_uid
-            self._fd_room.size = room_within(self._fd_limit, self.settings.max_connections)
+            self._fit_to_fd_limit()
             self._refused.clear()
             log.warning("SIGHUP: reloaded; allowed: %s; log level %s%s", self.allowlist.describe(), fresh.log_level,
                         f"; changed but needing a restart: {', '.join(ignored)}" if ignored else "")
         if not self._reloader.busy:  # systemd hears READY=1 once the last SIGHUP's read is applied
             self._notifier.reloaded(self._summary())
+
+    def _fit_to_fd_limit(self) -> None:
+        """Size the fd room to what --max-connections leaves of the fd limit, at start and on every reload,
+        and warn where the limit cannot carry that many connections."""
+        self._fd_room.size = room_within(self._fd_limit, self.settings.max_connections)
+        unsafe = self.settings.connection_limits.unsafe_under(self._fd_limit)
+        if unsafe:
+            log.warning("%s", unsafe)
 
     def _wake_loop(self) -> None:
         with contextlib.suppress(OSError):  # full, or closed at shutdown: the loop wakes or is gone anyway

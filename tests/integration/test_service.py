@@ -25,6 +25,23 @@ def daemon_in(socket_dir: str, *args: str, **env) -> Daemon:
                   daemon_env=env).start()
 
 
+def test_a_reload_raising_max_connections_past_the_fd_limit_warns_as_a_start_does(socket_dir):
+    """The warning that a flood of connections could exhaust the fds (libzmq aborts then) was given at
+    start only: a SIGHUP raising --max-connections past what the fd limit carries said nothing."""
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text("max_connections = 8\n")
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               launcher=("prlimit", "--nofile=4096:4096"), daemon_env={"PEERD_CONFIG": str(config)}).start()
+    try:
+        assert "needs about" not in d.logs()
+        config.write_text("max_connections = 5000\n")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloaded" in d.logs(), 30, "the reload")
+        assert "--max-connections 5000 needs about" in d.logs() and "the limit is 4096" in d.logs(), d.logs()
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
 def test_notify_protocol_ready_status_watchdog_stopping(socket_dir):
     path = os.path.join(socket_dir, "notify")
     systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
