@@ -56,6 +56,7 @@ def main() -> None:
 
     from peerd.paths import endpoint
     from peerd.protocol import decode_reply, encode_request
+    from peerd.routingids import new_routing_id
     from peerd_client import tp_agree
     from peerd_client.connection import Connection
 
@@ -65,6 +66,7 @@ def main() -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
         sock.connect(endpoint(daemon.socket))
         ids = iter(range(1, 1 << 62))
 

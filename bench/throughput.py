@@ -48,11 +48,13 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
 
     from peerd.paths import endpoint
     from peerd.protocol import decode_reply, encode_request
+    from peerd.routingids import new_routing_id
     from peerd.server import ROUTER_SNDHWM
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
     sock.connect(endpoint(os.environ["PEERD_SOCKET"]))
     ids = itertools.count(1)
     pending: dict[int, tuple[int, str]] = {}  # request id -> (group, op)

@@ -55,6 +55,7 @@ from peerd.trust import (
     describe_trusted,
     describe_uid,
 )
+from peerd.routingids import new_routing_id
 from peerd.turnlock import TurnLock
 
 from .errors import DaemonUnavailable, MonoUnsupported
@@ -141,6 +142,7 @@ class Connection:
             (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
             (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
             (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
+            (zmq.ROUTING_ID, new_routing_id()),  # the daemon answers no name another process could take
         ):
             self._sock.setsockopt(option, value)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .ops import COMMON_ERRORS, OPS
 from .protocol import VERSION, ErrorCode, Field, type_name
+from .routingids import MIN_ID_BYTES
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 
@@ -23,7 +24,9 @@ error codes in peerd/protocol.py: edit those, then run it.
 
 ## Envelope
 
-Each message is one msgpack map in one ZeroMQ frame over the daemon's unix socket.
+Each message is one msgpack map in one ZeroMQ frame over the daemon's unix socket. A connection
+must name itself (`ZMQ_ROUTING_ID`) with at least {MIN_ID_BYTES} random bytes, the first not zero: the
+daemon answers any other only `BAD_REQUEST` (see Note [Routing ids] in peerd/routingids.py).
 
 - request: `{{v, id, op, body}}`: `v` the protocol version, `id` an integer the reply carries back
 - reply: `{{v, id, ok: true, body}}`, or `{{v, id, ok: false, error: {{code, message}}}}`

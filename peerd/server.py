@@ -36,6 +36,7 @@ from .outbox import Outbox, Send
 from .pages import Pages
 from .registry import Registry
 from .reloader import Reloader
+from .routingids import MIN_ID_BYTES, self_named, unpredictable_made_up_ids
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
 from .metrics import Metrics
@@ -54,6 +55,11 @@ TICK_S = 1.0
 
 #: how long closing the socket may wait for the replies already sent to leave
 SHUTDOWN_LINGER_MS = 1000
+
+#: what a connection that did not name itself hears (Note [Routing ids] in peerd.routingids)
+UNNAMED = (f"this connection has a routing id ZeroMQ made up, or one shorter than {MIN_ID_BYTES} bytes: another "
+           f"user could take it and receive the replies; set ZMQ_ROUTING_ID to at least {MIN_ID_BYTES} random "
+           "bytes, the first not zero, before connecting (peerd_client does)")
 
 #: settings a SIGHUP cannot change in a running daemon
 RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "control_pages",
@@ -161,6 +167,7 @@ class Daemon:
         self._fd_limit = raise_fd_limit()
         self._fit_to_fd_limit()
         self._ctx = zmq.Context()
+        unpredictable_made_up_ids()  # before the ROUTER takes its first: Note [Routing ids]
         self._router = self._ctx.socket(zmq.ROUTER)
         for option, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES), (zmq.RCVHWM, ROUTER_RCVHWM),
                               (zmq.SNDHWM, ROUTER_SNDHWM), (zmq.ROUTER_MANDATORY, 1)):
@@ -416,6 +423,9 @@ class Daemon:
             self._malformed.add("not identity + one payload (dropped)")  # the count is the sender's to vary
             return []
         identity, payload = frames[0].bytes, frames[1]
+        if not self_named(identity):  # a reply to a name another user can take may go astray: Note [Routing ids]
+            self._malformed.add("a routing id libzmq made up or too short to be unguessable")
+            return [Send(Route(identity, None), error=ProtocolError(ErrorCode.BAD_REQUEST, UNNAMED))]
         who = credentials(payload)
         if who is None:
             self._malformed.add("no kernel credentials, not an ipc peer? (dropped)")

@@ -23,6 +23,9 @@ way), then keeps it up until it is killed:
   frames   one message of --count empty frames (libzmq bounds a frame, not their number), then a
            `hello` on the same connection; prints DRAINED once the hello is answered (the daemon read
            past the message), and holds on
+  claim    --count connections claiming the routing ids libzmq makes up for the daemon's next connections
+           where nobody seeded rand() (0x00 6b8b4567 on), each saying hello; then a connection naming no id
+           says hello (libzmq aborted the daemon when the id it made up was taken); READY says what each heard
   orphans  --count connections, each opened by a process that forks a child (which inherits it and
            never speaks on it, as a data loader) and exits; the children live as long as this flooder,
            and so do the openers as zombies with --unreaped (their pids stay taken)
@@ -47,6 +50,8 @@ GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x
 _READY = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
 READY = bytes([0x04, len(_READY)]) + _READY
 PARTIAL_BYTES = (1 << 20) - 1  # announced; one byte fewer is sent
+#: the counter behind the first routing id libzmq makes up where C's rand() was never seeded
+UNSEEDED_FIRST_ID = 0x6B8B4567
 
 #: the longest key the daemon takes (protocol.MAX_KEY_CHARS, 128); the group
 #: and every name are this long
@@ -107,6 +112,7 @@ def partial(args) -> None:
 
 def _dealer(args, **options) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"p" + os.urandom(15))  # the daemon answers no other: peerd.routingids
     for option, value in options.items():
         sock.setsockopt(getattr(zmq, option), value)
     sock.connect(f"ipc://{args.socket}")
@@ -270,8 +276,26 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
     return bodies
 
 
+def claim(args) -> None:
+    sock_path = f"ipc://{args.socket}"
+    claimed = []
+    for i in range(args.count):
+        sock = _dealer(args, ROUTING_ID=b"\x00" + (UNSEEDED_FIRST_ID + i).to_bytes(4, "big"), LINGER=0)
+        sock.send(request(1, "hello", {}))
+        claimed.append(sock)
+    answered = [msgpack.unpackb(s.recv()) for s in claimed if s.poll(10_000)]
+    plain = zmq.Context.instance().socket(zmq.DEALER)  # names itself nothing: libzmq makes its id up
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(sock_path)
+    plain.send(request(1, "hello", {}))
+    heard = msgpack.unpackb(plain.recv()) if plain.poll(10_000) else None
+    ready(claimed=len(answered), claims_heard=sorted({(r.get("error") or {}).get("code", "ok") for r in answered}),
+          plain_heard=heard)
+    hold()
+
+
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep, "frames": frames}
+         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep, "frames": frames, "claim": claim}
 
 
 def main() -> None:

@@ -863,11 +863,13 @@ def pipeline(args) -> dict:
     import zmq
 
     from peerd.protocol import VERSION, decode_reply
+    from peerd.routingids import new_routing_id
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
     sock.connect(f"ipc://{os.environ['PEERD_SOCKET']}")
     body = {"rank": 0, "npes": 2, "ok": True, "timeout": None}
     groups = [args.group] * int(args.votes) + [f"{args.group}-{g}" for g in range(int(args.hold))]

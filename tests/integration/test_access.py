@@ -237,6 +237,32 @@ def test_each_limit_is_a_clear_error_before_anything_is_allocated(socket_dir):
         assert d.stop() == 0
 
 
+@pytest.mark.parametrize("routing_id", [None, b"victim", b"\x00" + bytes(15)], ids=["made-up", "short", "zero-led"])
+def test_a_connection_another_user_could_take_the_name_of_is_answered_nothing_but_bad_request(daemon, routing_id):
+    """Replies go to a routing id, and a user may claim any id that is free: a reply owed to a connection
+    that went away went to whoever claimed its id next (a join reply's handles open the buffers). The daemon
+    serves only names nobody can guess (peerd.routingids): these get BAD_REQUEST, and no set is made."""
+    import zmq
+
+    from peerd.protocol import decode_reply, encode_request
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(f"ipc://{daemon.socket}")
+    try:
+        sock.send(encode_request(1, "join", {"group": "named", "name": "default", "rank": 0, "npes": 1,
+                                             "nbytes": 4096, "device": "host", "flags": 0, "timeout": 5.0}))
+        assert sock.poll(10_000), "no answer"
+        reply = decode_reply(sock.recv())
+    finally:
+        sock.close()
+    assert not reply.ok and reply.error.code.value == "BAD_REQUEST", reply
+    assert "ZMQ_ROUTING_ID" in reply.error.message and "another user could take it" in reply.error.message
+    assert "no buffer sets" in daemon.cli("ls").stdout
+
+
 def test_the_byte_limits_count_a_buffer_as_it_is_allocated_aligned(socket_dir):
     """A buffer takes its size rounded up to 4 KiB: checking the asked size let a uid hold up to 4095
     bytes a buffer past --max-bytes-per-uid, counted past it in status."""

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from peerd import protocol
+from peerd.routingids import new_routing_id
 from peerd.tally import LOG_EVERY_S
 from peerd_client.stoppedpeers import POLL_S
 from peerd_client.teardown import RELEASE_WAIT_S
@@ -116,6 +117,7 @@ def _dealer(path: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
     sock.connect(f"ipc://{path}")
     return sock
 

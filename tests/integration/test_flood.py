@@ -167,6 +167,21 @@ def test_connections_past_the_caps_are_shut_down_and_the_fd_limit_is_never_reach
     end(d, idle)
 
 
+def test_routing_ids_claimed_ahead_of_the_ones_libzmq_makes_up_never_abort_the_daemon(procs, socket_dir, users):
+    """libzmq makes up a routing id for a connection that names none, from a counter started by C's rand(),
+    which nobody seeded, and aborts the process when the id is taken: a user who claimed the first few took
+    the daemon down with the next such connection (Note [Routing ids] in peerd/routingids.py). The daemon
+    seeds rand() now, and answers only connections that named themselves with an unguessable id."""
+    d = start_daemon(procs, socket_dir)
+    claims, heard = flood(procs, d, "claim", users[FLOODER], 8)
+    plain = heard["plain_heard"]
+    assert plain is not None and d.proc.poll() is None, f"the daemon died:\n{d.logs()[-3000:]}"
+    assert heard["claimed"] == 8 and heard["claims_heard"] == ["BAD_REQUEST"], heard
+    assert plain["error"]["code"] == "BAD_REQUEST" and "ZMQ_ROUTING_ID" in plain["error"]["message"], plain
+    assert_served(d, users, "beside-claims")
+    end(d, claims)
+
+
 @pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
 def test_connections_whose_opener_exited_are_shut_down_though_a_forked_child_holds_them(procs, socket_dir, users,
                                                                                          reaped):

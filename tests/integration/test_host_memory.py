@@ -291,8 +291,11 @@ def test_a_socket_path_leaves_room_for_the_fd_channel_beside_it():
 def _dealer(path: str):
     import zmq
 
+    from peerd.routingids import new_routing_id
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
     sock.connect(f"ipc://{path}")
     return sock
 
