@@ -243,8 +243,22 @@ class Connection:
         when ``timeout`` has passed raises MonoUnsupported (TIMEOUT) without having sent anything.
         """
         started = time.monotonic()
-        held, reply = self._holding(
-            timeout, lambda: self._call(op, body, max(0.0, timeout - (time.monotonic() - started)), meanwhile))
+
+        def once_held() -> dict[str, Any]:
+            """The request, its wait (``body["timeout"]``: the daemon's) shortened by the turn waited for, as
+            the client's own is: else the client gave up first, on a daemon that was only keeping time."""
+            waited = time.monotonic() - started
+            daemon_wait = body.get("timeout")
+            sent = body
+            if isinstance(daemon_wait, (int, float)) and daemon_wait > 0:
+                if daemon_wait - waited <= 0:
+                    raise MonoUnsupported(
+                        f"{op} waited its whole {daemon_wait:g}s for another thread of this process to finish its "
+                        "call to the daemon: nothing was sent", "TIMEOUT")
+                sent = {**body, "timeout": daemon_wait - waited}
+            return self._call(op, sent, max(0.0, timeout - waited), meanwhile)
+
+        held, reply = self._holding(timeout, once_held)
         if not held:
             raise MonoUnsupported(
                 f"{op} waited {timeout:g}s for another thread of this process to finish its call to the daemon "

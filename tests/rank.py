@@ -806,6 +806,24 @@ def vote_behind_busy_thread(args) -> dict:
     return {**mine, "lonely": lonely}
 
 
+def vote_after_busy_thread(args) -> dict:
+    """A thread waits 8 s in a vote nobody else joins; this one votes in another group with timeout 8 half a
+    second later, gets the connection once the other's wait ended, and must hear its round's False, at its
+    own deadline: its request went out with the daemon's wait shortened by the 7.5 s waited for the turn."""
+    import threading
+
+    from peerd_client import DaemonUnavailable, tp_agree
+
+    threading.Thread(target=lambda: tp_agree(True, f"{args.group}-lonely", 0, 2, timeout=8)).start()
+    time.sleep(0.5)  # inside its call: the connection is held
+    began = time.monotonic()
+    try:
+        verdict = tp_agree(True, args.group, 0, 2, timeout=8)
+    except DaemonUnavailable as err:
+        verdict = f"DaemonUnavailable: {err}"
+    return {"verdict": verdict, "took": time.monotonic() - began}
+
+
 def rebuilt_after_restart(args) -> dict:
     """Hold a one-rank set, print READY, and after a line on stdin (the test restarted the daemon
     meanwhile) vote on it, then build the group's next set: the first build after the restart works."""
@@ -962,6 +980,7 @@ SCENARIOS = {
     "released_behind_a_busy_thread": released_behind_a_busy_thread,
     "bad_timeouts": bad_timeouts,
     "stale_release": stale_release,
+    "vote_after_busy_thread": vote_after_busy_thread,
     "cache": cache,
     "queued": queued,
     "captured_close": captured_close,

@@ -100,6 +100,16 @@ def test_a_call_waiting_for_another_threads_turn_on_the_connection_ends_at_its_o
     assert r["other_thread_still_waiting"] and r["lonely"] == {"verdict": False}, r
 
 
+def test_a_call_that_got_its_turn_late_sends_the_daemon_only_the_wait_left(daemon):
+    """A vote that waited 7.5 s for another thread's turn sent the daemon its whole 8 s wait but waited
+    itself only what was left of 13 s: it gave up first, raising DaemonUnavailable on a daemon that was
+    only keeping its round open, while a peer voting later could still hear True. It hears its round's
+    False at its own deadline now."""
+    (r,) = run_ranks(daemon, "vote_after_busy_thread", 1, "--group", "late-turn", timeout=120)
+    assert r["verdict"] is False, r
+    assert 7.0 < r["took"] < 10.0, r
+
+
 def test_ctrl_c_at_any_instant_of_a_call_never_leaves_the_connection_held(daemon):
     """A Ctrl-C landing just after the connection's lock was taken, or at the start of the code that
     lets it go, left it held for good: every later call waited out its deadline, and the buffer's release
