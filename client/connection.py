@@ -446,6 +446,9 @@ class Undelivered:
     def __init__(self) -> None:
         self._entries: collections.deque[tuple[str, dict]] = collections.deque()
         self._retrying: threading.Thread | None = None
+        # one flush at a time, so a fresh connection's flush returns only once what the retry thread had taken
+        # went out: a release naming no set, delivered after this process joined its slot again, freed the new set
+        self._flushing = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -465,7 +468,12 @@ class Undelivered:
                 pass
 
     def flush(self, conn: Connection) -> None:
-        """Deliver every waiting request over ``conn``; stop at the first the daemon does not answer."""
+        """Deliver every waiting request over ``conn``; stop at the first the daemon does not answer. Returns
+        once any flush under way in another thread is done too: what it took went out before what follows."""
+        with self._flushing:
+            self._flush(conn)
+
+    def _flush(self, conn: Connection) -> None:
         for _ in range(len(self._entries)):
             try:
                 op, body = self._entries.popleft()

@@ -56,3 +56,36 @@ def test_a_finalizer_never_waits_for_a_thread_inside_a_call():
         assert conn._wake_r.recv(16) == b"\0", "and woke the holder"
     conn._flush_deferred()  # what the holder does as it lets go
     assert sent == ["finalizer"]
+
+
+
+def test_a_fresh_connections_flush_returns_only_once_the_retry_threads_release_went_out():
+    """A join that failed as the daemon went away queued a release of whatever this process held for the
+    slot. The retry thread took it and, preempted before it sent it, let the next PeerBuffer's fresh
+    connection find nothing to deliver: the release went out after the new join and freed the new set. The
+    fresh connection's flush waits for the retry thread's now, so the release goes first."""
+    import time
+
+    from peerd_client.connection import Undelivered
+
+    order: list[str] = []
+
+    class Slow:  # the retry thread's connection: it is preempted between taking the entry and sending it
+        def call_unless_busy(self, op, body):
+            time.sleep(0.3)
+            order.append(op)
+
+    class Fresh:
+        def call_unless_busy(self, op, body):
+            order.append(op)
+
+    pending = Undelivered()
+    pending._retrying = threading.current_thread()  # no retry thread of its own: the test plays it
+    pending.add("release", {"group": "g", "name": "default", "rank": 0})
+    retry = threading.Thread(target=pending.flush, args=(Slow(),))
+    retry.start()
+    time.sleep(0.05)  # the retry thread took the entry
+    pending.flush(Fresh())  # connection() on a fresh connection, before the new join goes out
+    order.append("join")
+    retry.join()
+    assert order == ["release", "join"], order
