@@ -83,6 +83,8 @@ def seconds_from_env(name: str, default: float) -> float:
 
 
 CONNECT_TIMEOUT_S = seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
+#: a turn on the connection waited for less than this was not contended: the wait sent stays the caller's own
+TURN_SLACK_S = 0.001
 #: a hello unanswered this long asks the socket whether anyone listens: a stale one fails now, not at the timeout
 STALE_LOOK_S = 0.25
 REQUEST_TIMEOUT_S = seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
@@ -250,7 +252,7 @@ class Connection:
             waited = time.monotonic() - started
             daemon_wait = body.get("timeout")
             sent = body
-            if isinstance(daemon_wait, (int, float)) and daemon_wait > 0:
+            if isinstance(daemon_wait, (int, float)) and daemon_wait > 0 and waited >= TURN_SLACK_S:
                 if daemon_wait - waited <= 0:
                     raise MonoUnsupported(
                         f"{op} waited its whole {daemon_wait:g}s for another thread of this process to finish its "
