@@ -59,6 +59,7 @@ from peerd.routingids import new_routing_id
 from peerd.turnlock import TurnLock
 
 from .errors import DaemonUnavailable, MonoUnsupported
+from .mappings import mappings
 
 
 def seconds_from_env(name: str, default: float) -> float:
@@ -524,11 +525,12 @@ def daemon_answers(path: str, timeout: float = 0.5) -> bool:
 
 _connection: Connection | None = None
 _connection_lock = threading.Lock()
+_daemon_run: tuple[int, int | None] | None = None  # (pid, instance) of the daemon the last fresh connection reached
 
 
 def _forget_after_fork() -> None:
-    global _connection, _connection_lock
-    _connection, _connection_lock = None, threading.Lock()
+    global _connection, _connection_lock, _daemon_run
+    _connection, _connection_lock, _daemon_run = None, threading.Lock(), None
     undelivered.forget()
 
 
@@ -542,9 +544,10 @@ def connection(starting_over: bool = False) -> Connection:
     so every rank hears of the restart; ``starting_over`` (a new PeerBuffer,
     whose whole handshake is still to come) reads the monitor first and
     reconnects at once instead. A fresh connection first delivers the
-    releases a lost one could not.
+    releases a lost one could not; where it reaches another daemon run, the
+    chunks of the one before are unmapped as their buffers close.
     """
-    global _connection
+    global _connection, _daemon_run
     with _connection_lock:
         fresh = False
         if _connection is not None and starting_over:
@@ -554,6 +557,10 @@ def connection(starting_over: bool = False) -> Connection:
             _connection = None
         if _connection is None:
             _connection, fresh = Connection(default_socket()), True
+            run = (_connection.hello["pid"], _connection.hello.get("instance"))
+            if _daemon_run is not None and run != _daemon_run:
+                mappings.retire(_daemon_run[0])
+            _daemon_run = run
         conn = _connection
     if fresh and len(undelivered):
         undelivered.flush(conn)

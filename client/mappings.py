@@ -15,8 +15,10 @@ then pointer arithmetic); the daemon frees such a chunk only once every
 process it was handed to has exited (peerd.arena: Note [No free under a
 mapping]). A buffer that is its whole chunk (a dedicated chunk) is
 unmapped as soon as no buffer of this process uses it, before the release
-that lets the daemon free it. A forked child inherits none of it: its
-driver state is not its parent's.
+that lets the daemon free it; so is every chunk of a daemon run that ended
+(``retire``): no buffer will be in it again, and its mapping alone kept the
+dead daemon's memory for the worker's whole life, more at every restart.
+A forked child inherits none of it: its driver state is not its parent's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class _Mapping:
     size: int
     mapper: Mapper
     users: int
-    whole: bool  # one buffer is the whole chunk: unmapped once unused
+    transient: bool  # unmapped once unused: one buffer is the whole chunk, or the daemon run that made it ended
 
 
 class MappingCache:
@@ -66,8 +68,17 @@ class MappingCache:
         with self._lock:
             mapping = self._open[key]
             mapping.users -= 1
-            if mapping.users == 0 and mapping.whole:
+            if mapping.users == 0 and mapping.transient:
                 self._unmap([key])
+
+    def retire(self, daemon_pid: int) -> None:
+        """The daemon run of ``daemon_pid`` ended: its chunks no buffer uses go now, the rest at their last close."""
+        with self._lock:
+            for key, mapping in list(self._open.items()):
+                if key[0] == daemon_pid:
+                    mapping.transient = True
+                    if mapping.users == 0:
+                        self._unmap([key])
 
     def unmap_unused(self) -> None:
         """Unmap every chunk no buffer of this process uses now: its next buffer opens afresh."""

@@ -828,8 +828,10 @@ def rebuilt_after_restart(args) -> dict:
     """Hold a one-rank set, print READY, and after a line on stdin (the test restarted the daemon
     meanwhile) vote on it, then build the group's next set: the first build after the restart works."""
     from peerd_client import DaemonUnavailable, PeerBuffer, tp_agree
+    from peerd_client.mappings import mappings
 
     old = PeerBuffer(args.nbytes, args.group, 0, 1)
+    dead = old._conn.hello["pid"]
     print("READY", flush=True)
     sys.stdin.readline()
     try:
@@ -838,9 +840,11 @@ def rebuilt_after_restart(args) -> dict:
         vote = f"DaemonUnavailable: {err}"
     new = PeerBuffer(args.nbytes, args.group, 0, 1, name="after")
     agreed = tp_agree(True, args.group)
+    dead_chunks_while_old_open = sum(key[0] == dead for key in mappings._open)
     new.close()
     old.close()
-    return {"vote_on_old_set": vote, "agreed_on_new_set": agreed}
+    return {"vote_on_old_set": vote, "agreed_on_new_set": agreed, "dead_chunks_while_old_open":
+            dead_chunks_while_old_open, "dead_chunks_after": sum(key[0] == dead for key in mappings._open)}
 
 
 def closer(args) -> dict:
