@@ -21,6 +21,7 @@ import click
 from . import __version__
 from .arena import describe_usage
 from .escape import EscapingFormatter, escape
+from .logbudget import log_budget
 from .paths import check_socket_path, default_socket
 from .settings import Settings, serve_options
 from .sizes import human
@@ -34,6 +35,7 @@ def _setup_logging(level: str) -> None:
     stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     handler = logging.StreamHandler()
     handler.setFormatter(EscapingFormatter(stamp + "%(levelname)s %(name)s: %(message)s"))  # one record, one line
+    handler.addFilter(log_budget)  # no caller makes the daemon log without bound
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 

@@ -39,6 +39,7 @@ from .reloader import Reloader
 from .routingids import MIN_ID_BYTES, self_named, unpredictable_made_up_ids
 from .liveness import POLL_INTERVAL, PidWatcher
 from .lockfile import SocketLock
+from .logbudget import log_budget
 from .metrics import Metrics
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path, lock_path
@@ -147,7 +148,7 @@ class Daemon:
         self._malformed = Tally(log, "refused %d malformed message(s)")  # a flood of them is a few lines
         self._outsiders = Tally(log, "refused %d connection(s) outside the allowlist", each=10)
         self._fd_dropped = Tally(log, "fd channel: dropped %d reply(ies) that could not go out")
-        self._tallies = (self._dropped, self._malformed, self._outsiders, self._fd_dropped)
+        self._tallies = (self._dropped, self._malformed, self._outsiders, self._fd_dropped, log_budget)
         self._stuck = StuckSets()  # the stuck sets status reports, found by one walk a second at most
         self._handlers = {name: self._handler(op) for name, op in OPS.items()}
         self._reloader = Reloader(self._read_settings, self._wake_loop)  # SIGHUP's reads, off the loop

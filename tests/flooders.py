@@ -23,6 +23,8 @@ way), then keeps it up until it is killed:
   frames   one message of --count empty frames (libzmq bounds a frame, not their number), then a
            `hello` on the same connection; prints DRAINED once the hello is answered (the daemon read
            past the message), and holds on
+  withdraws  --count withdrawals with 1 KiB reasons through one connection, each failing a set of its own
+           (two log lines a request, unbounded before peerd.logbudget); READY once all were answered
   claim    --count connections claiming the routing ids libzmq makes up for the daemon's next connections
            where nobody seeded rand() (0x00 6b8b4567 on), each saying hello; then a connection naming no id
            says hello (libzmq aborted the daemon when the id it made up was taken); READY says what each heard
@@ -276,6 +278,19 @@ def _expect_ok(sock: zmq.Socket, replies: int) -> list[dict]:
     return bodies
 
 
+def withdraws(args) -> None:
+    sock = _dealer(args)
+    answered = 0
+    for first in range(0, args.count, WINDOW):
+        batch = range(first, min(first + WINDOW, args.count))
+        for i in batch:
+            sock.send(request(i + 1, "withdraw", {"group": "wd", "name": f"n{i % 1000}", "rank": 0, "npes": 2,
+                                                  "reason": "A" * 1024}))
+        answered += sum(1 for _ in batch if sock.poll(10_000) and sock.recv())
+    ready(sent=args.count, answered=answered)
+    hold()
+
+
 def claim(args) -> None:
     sock_path = f"ipc://{args.socket}"
     claimed = []
@@ -295,7 +310,8 @@ def claim(args) -> None:
 
 
 KINDS = {"idle": idle, "partial": partial, "ls": ls, "hello": hello, "sets": sets, "groups": groups,
-         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep, "frames": frames, "claim": claim}
+         "chunks": chunks, "punch": punch, "orphans": orphans, "keep": keep, "frames": frames, "claim": claim,
+         "withdraws": withdraws}
 
 
 def main() -> None:

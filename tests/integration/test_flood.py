@@ -27,9 +27,11 @@ import pytest
 from peerd.connections import FDS_RESERVED, MONITOR_LAG
 from peerd.fdchannel import fetch_fds
 from peerd.fdroom import FDS_LEFT_PER_CONNECTION
+from peerd.logbudget import LINES_PER_INTERVAL
 from peerd.pagearea import AREA_PAGES
 from peerd.paths import fd_socket_path
 from peerd.protocol import ProtocolError
+from peerd.tally import LOG_EVERY_S
 from tests.conftest import Daemon, finish, local_users, run_ranks, start_rank, wait_until
 from tests.flooders import SETS_GROUP, set_name
 
@@ -165,6 +167,22 @@ def test_connections_past_the_caps_are_shut_down_and_the_fd_limit_is_never_reach
     assert dict(map(tuple, connections["top_uids"])).get(int(users[FLOODER].split(":")[0]), 0) <= 32
     assert "(--max-connections-per-uid)" in d.logs()
     end(d, idle)
+
+
+def test_a_client_cannot_make_the_daemon_log_without_bound(procs, socket_dir, users):
+    """Each withdrawal fails a set (its 1 KiB reason logged) and frees it: a client withdrawing in a loop
+    wrote about 7 MB of log a second. At most LINES_PER_INTERVAL lines below ERROR go out per interval now;
+    the rest are counted in one line once it is over."""
+    d = start_daemon(procs, socket_dir)
+    began = time.monotonic()
+    flooder, sent = flood(procs, d, "withdraws", users[FLOODER], 3 * LINES_PER_INTERVAL)
+    intervals = (time.monotonic() - began) // LOG_EVERY_S + 2  # the flood's, and the one it began in
+    assert sent["answered"] == 3 * LINES_PER_INTERVAL, sent
+    wait_until(lambda: "log line(s) not written in" in d.logs(), LOG_EVERY_S + 10, "the held-back lines' count")
+    lines = [line for line in d.logs().splitlines() if " INFO " in line or " WARNING " in line]
+    assert len(lines) <= intervals * LINES_PER_INTERVAL, f"{len(lines)} lines for {sent['sent']} withdrawals"
+    assert_served(d, users, "beside-withdraws")
+    end(d, flooder)
 
 
 def test_routing_ids_claimed_ahead_of_the_ones_libzmq_makes_up_never_abort_the_daemon(procs, socket_dir, users):
