@@ -227,10 +227,16 @@ class Agreements:
         """``pid`` joined a set of the group as ``rank`` (``opened``: and every rank of that set did):
         where that rank had left the group's agreement, it takes part again (its peers' rounds wait for
         it) before its first vote; where it died, another process takes its place once the new set
-        opened (a join alone may never open: the survivors' rounds stay False until then)."""
+        opened (a join alone may never open: the survivors' rounds stay False until then); where the
+        process that voted for it lives on but holds it no more, this one votes from the rank's count on:
+        its death is then the rank's, and the old process's exit no longer is."""
         agreement = self.kept.get((uid, group))
-        if agreement is not None and (rank in agreement.left or opened and agreement.dead.get(rank, pid) != pid):
+        if agreement is None:
+            return
+        if rank in agreement.left or opened and agreement.dead.get(rank, pid) != pid:
             self._returns(agreement, rank, pid)
+        elif opened and agreement.pids.get(rank, pid) not in self._sets.pids_holding_rank(uid, group, rank):
+            self._hand_over(agreement, rank, pid)
 
     def _time_round(self, agreement: Agreement, k: int, rnd: Round, timeout: float, now: float) -> None:
         """A voter waits at most ``timeout``: where that ends before the round's deadline, the round

@@ -1006,3 +1006,37 @@ def test_a_rank_back_from_leaving_never_enters_a_round_it_entered_already(reg):
     assert vote(1, "second") == [], "round 2, not round 1 again"
     assert bodies(vote(0, "zero-1")) == {"first": {"ok": True, "reason": ""}, "zero-1": {"ok": True, "reason": ""}}
     assert set(bodies(vote(0, "zero-2"))) == {"second", "zero-2"}
+
+
+def _group_restarted_with_a_new_rank_1(reg):
+    """Ranks 0 and 1 (pids 100, 101) agree once on group g and close their set together (within the grace,
+    so neither left the agreement); pid 101 lives on, and a new process, pid 201, holds rank 1 of the
+    group's next set, which opens; rank 0 waits in the next round."""
+    live_set(reg)
+    for r in (0, 1):
+        reg.agree(("a", r), who(100 + r), {"group": "g", "rank": r, "npes": 2, "ok": True, "timeout": None}, 0.0)
+    release(reg, 0)
+    release(reg, 1)
+    reg.expire(LEAVE_GRACE_S + 0.1)
+    join(reg, 0, now=2.0)
+    join(reg, 1, now=2.0, pid=201)
+    commit(reg, 0, now=2.0)
+    commit(reg, 1, now=2.0, pid=201)
+    assert reg.agree(("a", 0), who(100), {"group": "g", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 3.0) == []
+
+
+def test_the_death_of_a_new_process_holding_a_rank_fails_its_peers_round_at_once(reg):
+    """The rank's vote stayed with the process that last voted for it while that one lived: the new
+    holder's death was nobody's, and rank 0 waited out the 10 s agreement timeout."""
+    _group_restarted_with_a_new_rank_1(reg)
+    verdict = bodies(reg.process_died(201, 3.5))[("a", 0)]
+    assert verdict["ok"] is False and "rank 1 (pid 201) died" in verdict["reason"], verdict
+
+
+def test_the_exit_of_a_process_that_holds_its_rank_no_more_fails_nothing(reg):
+    """The old voter of rank 1 exiting, while the new one held the rank, failed rank 0's round."""
+    _group_restarted_with_a_new_rank_1(reg)
+    assert reg.process_died(101, 3.5) == []
+    verdict = bodies(reg.agree(("a", 1), who(201), {"group": "g", "rank": 1, "npes": 2, "ok": True,
+                                                    "timeout": None}, 4.0))
+    assert verdict == {("a", 0): {"ok": True, "reason": ""}, ("a", 1): {"ok": True, "reason": ""}}, verdict
