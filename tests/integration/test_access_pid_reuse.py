@@ -28,6 +28,7 @@ from peerd.fdchannel import connect as fd_connect
 from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
 from peerd.protocol import decode_reply, encode_request
+from peerd.routingids import new_routing_id
 from tests.conftest import Daemon, local_users
 
 EVE, BOB, SOCKET_GROUP, ALLOWED = "pdc-reve", "pdc-rbob", "pdc-rsock", "pdc-rallow"
@@ -71,13 +72,16 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def zmtp_connect(path: str) -> socket.socket:
-    """A ZMTP 3.0 NULL-mechanism DEALER over a plain unix socket (its fd passes to a child like any)."""
+    """A ZMTP 3.0 NULL-mechanism DEALER over a plain unix socket (its fd passes to a child like any), named
+    with a routing id of its own."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(path)
     sock.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
     _exactly(sock, 64)
-    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    name = new_routing_id()  # the daemon answers only a connection that named itself so (peerd.routingids)
+    ready = (b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+             + b"\x08Identity" + struct.pack(">I", len(name)) + name)
     sock.sendall(bytes([0x04, len(ready)]) + ready)
     _frame(sock)
     return sock
