@@ -106,6 +106,13 @@ def worker(rank, npes, args, start: C.Start, ports, results) -> None:
         timed(pagelink, "_DaemonWatch", "daemon watched")
         timed(PeerBuffer, "_view", "views built", method=True)
         timed(pagelink.GroupLink, "commit", "commit voted on the page", method=True)
+        timed(pagelink.GroupLink, "attach", "page attached", method=True)
+        import peerd_client.buffer as buffer_module  # the steps before the join leaves
+
+        timed(buffer_module, "connection", "connection got")
+        timed(buffer_module, "resolve", "group resolved")
+        timed(PeerBuffer, "_take_part", "device identified", method=True)
+        timed(pagelink.GroupLink, "__init__", "link made", method=True)
 
         def record(path, i, instant, late):
             done = time.monotonic()
