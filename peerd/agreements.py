@@ -199,6 +199,9 @@ class Agreements:
         for dead_rank, dead_pid in self._sets.ranks_died_holding(uid, group).items():
             if dead_rank != rank and dead_rank < npes:
                 agreement.pids[dead_rank] = agreement.dead[dead_rank] = dead_pid
+        for gone_rank, why in self._sets.ranks_left(uid, group).items():  # as rank_left would have, had it been
+            if gone_rank != rank and gone_rank < npes and gone_rank not in agreement.dead:  # kept already
+                agreement.left[gone_rank] = why
         return out, agreement
 
     def _returns(self, agreement: Agreement, rank: int, pid: int) -> None:

@@ -61,6 +61,7 @@ class Slot:
     dead: bool = False  # its process died (which also dropped its hold)
     waiter: Caller | None = None  # the join reply still owed
     own_pid: list | None = None  # [pid namespace, pid] as the rank claims them (peerd_client.stoppedpeers)
+    left: str | None = None  # why its rank left the group: it released the set, and its peers held it on
 
 
 @dataclass
@@ -245,6 +246,16 @@ class SetIndex:
     def group_sizes(self, uid: int | None, group: str) -> set[int]:
         """The npes of the group's sets some rank holds: the only ones its tp_agree may vote with."""
         return {bset.npes for bset in self.of_group(uid, group) if bset.holding_slots()}
+
+    def ranks_left(self, uid: int | None, group: str) -> dict[int, str]:
+        """rank -> why, of the group's ranks that left a set its peers still hold and hold no set of it
+        now: absent from an agreement the group starts only after they left."""
+        return {
+            slot.rank: slot.left
+            for bset in self.of_group(uid, group) if bset.holding_slots()
+            for slot in bset.slots.values()
+            if slot.left is not None and not self.pids_holding_rank(uid, group, slot.rank)
+        }
 
     def ranks_died_holding(self, uid: int | None, group: str) -> dict[int, int]:
         """rank -> pid of the group's ranks that died holding a set: members of its agreement too."""

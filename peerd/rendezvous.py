@@ -544,8 +544,8 @@ class Rendezvous:
         group, rank = bset.group, slot.rank
         if not bset.holding_slots() or self.index.pids_holding_rank(bset.owner_uid, group, rank):
             return []
-        reason = f"rank {rank} (pid {slot.pid}) {why} {bset.label} while its peers still held it, and left the group"
-        return self._left(bset.owner_uid, group, rank, slot.pid, reason)
+        slot.left = f"rank {rank} (pid {slot.pid}) {why} {bset.label} while its peers still held it, and left the group"
+        return self._left(bset.owner_uid, group, rank, slot.pid, slot.left)
 
     def _free_set(self, bset: BufferSet, mapped_by: Sequence[int] = ()) -> None:
         """Free every rank's buffer; ``mapped_by``: the live processes an eviction took the set from."""

@@ -894,6 +894,18 @@ def test_a_rank_that_released_while_its_peers_hold_the_set_has_left_their_agreem
     assert bodies(agree(reg, 0, group="g"))[("a", 0)] == {"ok": True, "reason": ""}
 
 
+def test_a_rank_that_left_before_the_groups_first_round_is_absent_from_it(reg):
+    """Its leave was recorded in the group's agreement only if one was kept already: the first round its
+    peers entered after it left waited out the whole agreement timeout for it."""
+    live_set(reg)
+    release(reg, 1)
+    reg.expire(LEAVE_GRACE_S + 0.1)
+    first = bodies(agree(reg, 0, group="g", now=2.0))[("a", 0)]
+    assert first["ok"] is False and "rank 1 (pid 101) released group=g name=n" in first["reason"], first
+    assert agree(reg, 1, group="g") == [], "it votes again: the round after its peer's"
+    assert bodies(agree(reg, 0, group="g"))[("a", 0)] == {"ok": True, "reason": ""}
+
+
 def test_a_rank_that_released_one_set_of_its_group_but_holds_another_has_not_left(reg):
     live_set(reg)
     for r in range(2):
