@@ -86,8 +86,6 @@ def seconds_from_env(name: str, default: float) -> float:
 CONNECT_TIMEOUT_S = seconds_from_env("PEERD_CONNECT_TIMEOUT", 5.0)
 #: a turn on the connection waited for less than this was not contended: the wait sent stays the caller's own
 TURN_SLACK_S = 0.001
-#: a hello unanswered this long asks the socket whether anyone listens: a stale one fails now, not at the timeout
-STALE_LOOK_S = 0.25
 REQUEST_TIMEOUT_S = seconds_from_env("PEERD_REQUEST_TIMEOUT", 10.0)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -178,14 +176,11 @@ class Connection:
         gone, a reply could otherwise come from that user's process.
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
-        first = min(timeout, STALE_LOOK_S)
-        if not self._sock.poll(int(first * 1000) + 1):
-            if not listened_at(self.path):
-                raise DaemonUnavailable(
-                    f"no peerd daemon listens at {self.path}: the socket is left from one that stopped. Start one "
-                    "with `peerd serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs")
-            if not self._sock.poll(int((timeout - first) * 1000) + 1):
-                raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s")
+        if not self._sock.poll(int(timeout * 1000) + 1):  # the whole wait: a supervisor may be restarting it
+            why = ("nobody listens there: the socket is left from a daemon that stopped; start one with `peerd "
+                   "serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs"
+                   if not listened_at(self.path) else "it accepts connections but its loop does not answer")
+            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s: {why}")
         frame = self._sock.recv(copy=False)
         sender = credentials(frame)
         if sender is None or sender.uid not in trusted:
