@@ -501,9 +501,10 @@ class Undelivered:
                 continue
 
     def forget(self) -> None:
-        """A forked child: its parent's releases are not its own."""
+        """A forked child: its parent's releases are not its own, nor its flush under way (its lock with it)."""
         self._entries.clear()
         self._retrying = None
+        self._flushing = threading.RLock()
 
 
 undelivered = Undelivered()
@@ -538,26 +539,25 @@ def connection(starting_over: bool = False) -> Connection:
     A call on a connection whose daemon died raises DaemonUnavailable once,
     so every rank hears of the restart; ``starting_over`` (a new PeerBuffer,
     whose whole handshake is still to come) reads the monitor first and
-    reconnects at once instead. A fresh connection first delivers the
-    releases a lost one could not; where it reaches another daemon run, the
-    chunks of the one before are unmapped as their buffers close.
+    reconnects at once instead. The releases a lost connection could not
+    deliver go out before it is returned, those the retry thread has under
+    way too; where a new connection reaches another daemon run, the chunks
+    of the one before are unmapped as their buffers close.
     """
     global _connection, _daemon_run
     with _connection_lock:
-        fresh = False
         if _connection is not None and starting_over:
             _connection.notice_loss()
         if _connection is not None and _connection._lost:
             _connection.close()  # what was left for it waits for the new one
             _connection = None
         if _connection is None:
-            _connection, fresh = Connection(default_socket()), True
+            _connection = Connection(default_socket())
             run = (_connection.hello["pid"], _connection.hello.get("instance"))
             if _daemon_run is not None and run != _daemon_run:
                 mappings.retire(_daemon_run[0])
             _daemon_run = run
         conn = _connection
-    if fresh and len(undelivered):
-        undelivered.flush(conn)
+    undelivered.flush(conn)  # whatever is queued, or under way in the retry thread, goes out before this call's
     return conn
 

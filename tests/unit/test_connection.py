@@ -59,14 +59,14 @@ def test_a_finalizer_never_waits_for_a_thread_inside_a_call():
 
 
 
-def test_a_fresh_connections_flush_returns_only_once_the_retry_threads_release_went_out():
+def test_a_connection_is_handed_out_only_once_the_retry_threads_release_went_out(monkeypatch):
     """A join that failed as the daemon went away queued a release of whatever this process held for the
-    slot. The retry thread took it and, preempted before it sent it, let the next PeerBuffer's fresh
-    connection find nothing to deliver: the release went out after the new join and freed the new set. The
-    fresh connection's flush waits for the retry thread's now, so the release goes first."""
+    slot. The retry thread took it (the queue empty then, or the fresh connection its own) and, preempted
+    before it sent it, let the next PeerBuffer's join go out first: the release then freed the new set.
+    connection() returns only once the retry thread's flush is done, so the release goes first."""
     import time
 
-    from peerd_client.connection import Undelivered
+    from peerd_client import connection as module
 
     order: list[str] = []
 
@@ -75,17 +75,48 @@ def test_a_fresh_connections_flush_returns_only_once_the_retry_threads_release_w
             time.sleep(0.3)
             order.append(op)
 
-    class Fresh:
-        def call_unless_busy(self, op, body):
-            order.append(op)
+    class Live:  # this process's connection, neither lost nor fresh
+        _lost = None
 
-    pending = Undelivered()
+        def notice_loss(self):
+            pass
+
+    pending = module.Undelivered()
     pending._retrying = threading.current_thread()  # no retry thread of its own: the test plays it
+    monkeypatch.setattr(module, "undelivered", pending)
+    monkeypatch.setattr(module, "_connection", Live())
     pending.add("release", {"group": "g", "name": "default", "rank": 0})
     retry = threading.Thread(target=pending.flush, args=(Slow(),))
     retry.start()
-    time.sleep(0.05)  # the retry thread took the entry
-    pending.flush(Fresh())  # connection() on a fresh connection, before the new join goes out
+    time.sleep(0.05)  # the retry thread took the entry: nothing is queued
+    module.connection(starting_over=True)
     order.append("join")
     retry.join()
     assert order == ["release", "join"], order
+
+
+def test_a_child_forked_during_a_flush_can_flush_its_own():
+    """The retry thread's flush held its lock at the fork: the child's first connection waited on it forever."""
+    import os
+
+    from peerd_client.connection import Undelivered
+
+    pending = Undelivered()
+    holding, done = threading.Event(), threading.Event()
+
+    def flushing() -> None:  # another thread of the parent, inside a flush at the fork
+        with pending._flushing:
+            holding.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=flushing)
+    holder.start()
+    holding.wait(10)
+    child = os.fork()
+    if child == 0:
+        pending.forget()  # what the fork hook does
+        os._exit(0 if pending._flushing.acquire(timeout=2) else 1)
+    done.set()
+    holder.join()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
