@@ -1,14 +1,17 @@
 """A ceiling on the daemon's log lines, so that no client can fill the disk or the journal through it.
 
-Most of what the daemon logs at INFO and WARNING follows what its callers
-do: a set went live, failed (with the caller's reason, up to 1 KiB) or was
-freed. A client that withdraws in a loop made two lines a request, about
-7 MB a second from one connection, and under journald's rate limit it also
-pushed out every other line of the daemon's. So the handler takes at most
-``LINES_PER_INTERVAL`` such lines per ``LOG_EVERY_S``; the rest are counted
+What the daemon logs at INFO and WARNING about sets, agreements, pages and
+chunks follows what its callers do: a set went live, failed (with the
+caller's reason, up to 1 KiB) or was freed. A client that withdraws in a
+loop made two lines a request, about 7 MB a second from one connection,
+and under journald's rate limit it also pushed out every other line of the
+daemon's. So the handler takes at most ``LINES_PER_INTERVAL`` lines of
+those loggers (``CALLER_DRIVEN``) per ``LOG_EVERY_S``; the rest are counted
 and said in one line once the interval is over (the daemon's loop calls
-``flush``, as for its tallies). ERROR and above always go out, and DEBUG,
-asked for by whoever runs the daemon, is never counted.
+``flush``, as for its tallies). The daemon's own lines (reloads, limits,
+the tallies' summaries of refusals, which bound themselves) always go out,
+as do ERROR and above; DEBUG, asked for by whoever runs the daemon, is
+never counted.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from .tally import LOG_EVERY_S
 
 #: INFO and WARNING lines written per interval at most: far above what a node's jobs make
 LINES_PER_INTERVAL = 1000
+#: the loggers whose lines follow what callers do, one or more a request
+CALLER_DRIVEN = frozenset({"peerd.rendezvous", "peerd.agreements", "peerd.pages", "peerd.arena"})
 
 
 class LogBudget(logging.Filter):
@@ -31,7 +36,7 @@ class LogBudget(logging.Filter):
         self._interval_ends = 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR or record.levelno < logging.INFO or getattr(record, "budget_summary", False):
+        if record.levelno >= logging.ERROR or record.levelno < logging.INFO or record.name not in CALLER_DRIVEN:
             return True
         now = time.monotonic()
         if now >= self._interval_ends:
@@ -53,8 +58,8 @@ class LogBudget(logging.Filter):
             return
         held, self._held_back = self._held_back, 0
         logging.getLogger("peerd").warning(
-            "%d log line(s) not written in %gs: over %d in that time (callers making the daemon log that much)",
-            held, LOG_EVERY_S, self.per_interval, extra={"budget_summary": True})
+            "%d log line(s) about sets and agreements not written in %gs: over %d in that time (callers making "
+            "the daemon log that much)", held, LOG_EVERY_S, self.per_interval)
 
 
 log_budget = LogBudget()  # the daemon's handler's (peerd.cli); its loop flushes it
