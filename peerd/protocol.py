@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import msgpack
 
-VERSION = 3  # 2: commit takes `page`; 3: join answers `set`, release names it, the fd channel sends an fd once
+VERSION = 4  # 2: commit takes `page`; 3: join answers `set`, release names it, the fd channel sends an fd once;
+# 4: a connection names itself with an unguessable routing id (peerd.routingids)
 
 #: seconds a join or an agreement waits for every rank unless the client or the operator sets
 #: another; the daemon announces its current value in hello and clients send it back as the deadline

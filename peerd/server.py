@@ -60,7 +60,8 @@ SHUTDOWN_LINGER_MS = 1000
 #: what a connection that did not name itself hears (Note [Routing ids] in peerd.routingids)
 UNNAMED = (f"this connection has a routing id ZeroMQ made up, or one shorter than {MIN_ID_BYTES} bytes: another "
            f"user could take it and receive the replies; set ZMQ_ROUTING_ID to at least {MIN_ID_BYTES} random "
-           "bytes, the first not zero, before connecting (peerd_client does)")
+           "bytes, the first not zero, before connecting (peerd_client does from protocol 4 on: upgrade an older one "
+           "with the daemon)")
 
 #: settings a SIGHUP cannot change in a running daemon
 RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics_port", "control_pages",

@@ -58,7 +58,7 @@ UNSEEDED_FIRST_ID = 0x6B8B4567
 #: the longest key the daemon takes (protocol.MAX_KEY_CHARS, 128); the group
 #: and every name are this long
 KEY_CHARS = 128
-VERSION = 3  # protocol.VERSION: this script runs as other users, without peerd importable
+VERSION = 4  # protocol.VERSION: this script runs as other users, without peerd importable
 SETS_GROUP = "g" * KEY_CHARS
 WINDOW = 16  # requests the sets holder has in flight: a client that reads loses none
 
