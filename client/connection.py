@@ -444,8 +444,8 @@ class Undelivered:
     def __init__(self) -> None:
         self._entries: collections.deque[tuple[str, dict]] = collections.deque()
         self._retrying: threading.Thread | None = None
-        # one flush at a time, so a fresh connection's flush returns only once what the retry thread had taken
-        # went out: a release naming no set, delivered after this process joined its slot again, freed the new set
+        # one flush at a time, so connection() returns only once what the retry thread had taken went out: a
+        # release naming no set, delivered after this process joined its slot again, freed the new set
         self._flushing = threading.RLock()
 
     def __len__(self) -> int:
