@@ -134,7 +134,7 @@ class PeerBuffer:
             _check_joined(joined, conn.hello["backend"], member.npes)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
-            chunks = [(conn.hello["pid"], handle) for handle in joined["handles"]]
+            chunks = [(conn.run, handle) for handle in joined["handles"]]
             if self._mapper.passes_fds and not all(mappings.mapped(key) for key in chunks):
                 fds = _member_fds(conn, self._held(), joined["handles"])
             # answered while the chunks open; after the fds above, so a rank leaves one reply unread at a time

@@ -59,7 +59,7 @@ from peerd.routingids import new_routing_id
 from peerd.turnlock import TurnLock
 
 from .errors import DaemonUnavailable, MonoUnsupported
-from .mappings import mappings
+from .mappings import DaemonRun, mappings
 
 
 def seconds_from_env(name: str, default: float) -> float:
@@ -163,6 +163,7 @@ class Connection:
                 f"the daemon at {self.path} speaks protocol {self.hello.get('protocol')}, "
                 f"this client {VERSION}: upgrade them together"
             )
+        self.run: DaemonRun = (self.hello["pid"], self.hello.get("instance"))  # which daemon run answered
 
     def _greet(self, trusted: frozenset[int], timeout: float) -> dict[str, Any]:
         """hello, answered by a daemon whose uid, as the kernel reports it, this process trusts.
@@ -521,7 +522,7 @@ def daemon_answers(path: str, timeout: float = 0.5) -> bool:
 
 _connection: Connection | None = None
 _connection_lock = threading.Lock()
-_daemon_run: tuple[int, int | None] | None = None  # (pid, instance) of the daemon the last fresh connection reached
+_daemon_run: DaemonRun | None = None  # the daemon run the last fresh connection reached
 
 
 def _forget_after_fork() -> None:
@@ -553,10 +554,9 @@ def connection(starting_over: bool = False) -> Connection:
             _connection = None
         if _connection is None:
             _connection = Connection(default_socket())
-            run = (_connection.hello["pid"], _connection.hello.get("instance"))
-            if _daemon_run is not None and run != _daemon_run:
-                mappings.retire(_daemon_run[0])
-            _daemon_run = run
+            if _daemon_run is not None and _connection.run != _daemon_run:
+                mappings.retire(_daemon_run)
+            _daemon_run = _connection.run
         conn = _connection
     undelivered.flush(conn)  # whatever is queued, or under way in the retry thread, goes out before this call's
     return conn

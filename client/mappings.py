@@ -5,9 +5,10 @@ names a whole chunk, which the driver maps at most once per process
 (depending on the version, CUDA refuses or reference-counts a second
 cudaIpcOpenMemHandle of one handle; HIP may hand back a different pointer
 each time). So every PeerBuffer of this process in one chunk shares one
-mapping, keyed by the daemon's pid and the handle bytes, never by the
-pointer: a restarted daemon's chunks are never mistaken for its
-predecessor's.
+mapping, keyed by the daemon run (its pid and instance id: in a container
+a restarted daemon may get its predecessor's pid) and the handle bytes,
+never by the pointer: a restarted daemon's chunks are never mistaken for
+its predecessor's.
 
 A shared chunk no buffer of this process uses any more stays mapped until
 the process exits, so the next buffer in it needs no open (a warm setup is
@@ -32,7 +33,8 @@ from peerd.backends import Mapper
 
 log = logging.getLogger("peerd_client")
 
-ChunkKey = tuple[int, bytes]  # (daemon pid, chunk handle)
+DaemonRun = tuple[int, "int | None"]  # (daemon pid, instance id: None from a daemon that announces none)
+ChunkKey = tuple[DaemonRun, bytes]  # (daemon run, chunk handle)
 
 
 @dataclass
@@ -71,11 +73,11 @@ class MappingCache:
             if mapping.users == 0 and mapping.transient:
                 self._unmap([key])
 
-    def retire(self, daemon_pid: int) -> None:
-        """The daemon run of ``daemon_pid`` ended: its chunks no buffer uses go now, the rest at their last close."""
+    def retire(self, run: DaemonRun) -> None:
+        """Daemon run ``run`` ended: its chunks no buffer uses go now, the rest at their last close."""
         with self._lock:
             for key, mapping in list(self._open.items()):
-                if key[0] == daemon_pid:
+                if key[0] == run:
                     mapping.transient = True
                     if mapping.users == 0:
                         self._unmap([key])

@@ -831,7 +831,7 @@ def rebuilt_after_restart(args) -> dict:
     from peerd_client.mappings import mappings
 
     old = PeerBuffer(args.nbytes, args.group, 0, 1)
-    dead = old._conn.hello["pid"]
+    dead = old._conn.run
     print("READY", flush=True)
     sys.stdin.readline()
     try:
