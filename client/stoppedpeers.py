@@ -108,17 +108,41 @@ def peer_pids(rank: int, pids: list[int] | None, claims: list | None) -> list[in
             for r, claim in enumerate(claims)]
 
 
+_STOPPED = (b"T", b"t")  # stopped, or stopped by a tracer
+
+
+def _state(stat_path: str) -> bytes | None:
+    """The state letter of a /proc stat file; None if it is gone."""
+    try:
+        with open(stat_path, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    state = stat.rsplit(b")", 1)[-1].split()[:1]
+    return state[0] if state else None
+
+
 def stopped(pid: int) -> bool:
-    """Whether ``pid``, a process of this user, is stopped (state T) or stopped by a tracer (t)."""
+    """Whether ``pid``, a process of this user, is stopped (state T) or stopped by a tracer (t).
+
+    /proc/PID/stat is the main thread's: once that thread has exited while others run on, it reads
+    Z (zombie) for good, stopped or not. Then the process is stopped when every thread not yet
+    exited is.
+    """
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.geteuid():  # not a peer: the pid was reused by another user
             return False
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
     except OSError:  # gone: the daemon reports a death itself
         return False
-    state = stat.rsplit(b")", 1)[-1].split()[:1]
-    return state in ([b"T"], [b"t"])
+    state = _state(f"/proc/{pid}/stat")
+    if state != b"Z":
+        return state in _STOPPED
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    live = [s for s in (_state(f"/proc/{pid}/task/{tid}/stat") for tid in threads) if s not in (None, b"Z", b"X")]
+    return bool(live) and all(s in _STOPPED for s in live)
 
 
 class StoppedPeers:

@@ -142,6 +142,8 @@ class Pages:
         self.enabled = enabled
         self._fd_room = room or FdRoom()  # an area's memfd takes a place: peerd.fdroom
         self._pages: dict[int, _Entry] = {}
+        self._of_group: Index[tuple[int | None, str], int, _Entry] = Index()  # (owner uid, group) -> its pages: a
+        # failing set looks at its own group's alone
         self._areas: dict[tuple[int | None, int], list[_Area]] = {}  # (owner uid, page size) -> open areas
         self._area_ids = itertools.count(1)
         self._spares: Index[int | None, int, _Area] = Index()  # uid -> its unused areas still mapped, oldest first
@@ -169,7 +171,8 @@ class Pages:
         for pid in {s.pid for s in bset.slots.values()}:
             area.mappers.add(pid)
             self._of_pid.add(pid, area.id, area)
-        self._pages[bset.id] = _Entry(bset.id, bset.group, area, offset, page)
+        entry = self._pages[bset.id] = _Entry(bset.id, bset.group, area, offset, page)
+        self._of_group.add((bset.owner_uid, bset.group), bset.id, entry)
         return [area.id, offset, bset.id]
 
     def _room(self, owner: int | None, size: int) -> _Area:
@@ -241,9 +244,8 @@ class Pages:
     def set_failed(self, bset: BufferSet) -> None:
         """A set of the group failed: every page of the group aborts with its verdict."""
         reason = bset.failure.message if bset.failure else f"{bset.label} failed"
-        for set_id, entry in list(self._pages.items()):
-            if (entry.area.owner, entry.group) == (bset.owner_uid, bset.group):
-                self._abort(set_id, AbortCode.SET_FAILED, reason)
+        for set_id in list(self._of_group.get((bset.owner_uid, bset.group), ())):
+            self._abort(set_id, AbortCode.SET_FAILED, reason)
 
     def evicted(self, bset: BufferSet) -> None:
         """Called before an evicted set's memory is freed: no kernel may touch it after, and its
@@ -258,6 +260,7 @@ class Pages:
         entry = self._pages.pop(bset.id, None)
         if entry is None:
             return
+        self._of_group.discard((entry.area.owner, entry.group), bset.id)
         self._abort_entry(entry, AbortCode.SET_FAILED, f"{bset.label} was freed")
         area = entry.area
         if entry.evicted_from:
@@ -322,6 +325,7 @@ class Pages:
         self._areas.clear()
         self._spares.clear()
         self._of_pid.clear()
+        self._of_group.clear()
         for fd in (self._alive_r, self._alive_w):
             if fd >= 0:
                 os.close(fd)

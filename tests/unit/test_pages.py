@@ -102,6 +102,31 @@ def test_a_failed_set_aborts_the_pages_of_its_own_group_only_not_its_uids_other_
     assert member_view(pages, neighbour, there).aborted() is None, "another group of the uid is untouched"
 
 
+class NoScan(dict):
+    """The daemon's page table, refusing to be walked: a failing set must look at its own group alone,
+    not at every page of every user (one user failing sets in a loop cost the loop in proportion to them)."""
+
+    def items(self):
+        raise AssertionError("walked every page")
+
+    values = keys = __iter__ = items
+
+
+def test_a_failing_set_looks_at_its_own_groups_pages_alone(reg, pages):
+    mine, here = opened(reg, 2, group="g")
+    theirs, there = opened(reg, 2, pids=(200, 201), group="g", uid=1000)  # another uid's group of that name
+    failing = {"group": "g", "name": "next", "npes": 2, "nbytes": 64, "device": "d", "flags": 0, "timeout": None}
+    pages._pages = NoScan(pages._pages)
+    try:
+        reg.join(("c", 0), who(100, None), {**failing, "rank": 0}, 0.0)
+        reg.withdraw(("c", 1), who(101, None), {"group": "g", "name": "next", "rank": 1, "npes": 2,
+                                                "reason": "no GPU"}, 0.0)
+    finally:
+        pages._pages = dict(dict.items(pages._pages))
+    assert member_view(pages, mine, here).aborted().code == AbortCode.SET_FAILED
+    assert member_view(pages, theirs, there).aborted() is None, "another uid's group of the same name is untouched"
+
+
 def test_an_eviction_aborts_the_page_before_any_memory_is_freed(reg, mem, pages):
     bset, location = opened(reg)
     view = member_view(pages, bset, location)

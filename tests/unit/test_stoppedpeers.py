@@ -67,6 +67,35 @@ def test_a_real_process_reads_stopped_only_while_it_is():
     assert not stopped(os.getpid())
 
 
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_process_whose_main_thread_exited_reads_stopped_while_its_other_threads_are():
+    """Its /proc/PID/stat (the main thread's) says Z for good: read as running, the peers of such a
+    stopped rank spun until their timeout, or for ever in a kernel without a deadline."""
+    leader_exits = ("import ctypes, threading, time\n"
+                    "threading.Thread(target=lambda: time.sleep(60)).start()\n"
+                    "ctypes.CDLL(None).pthread_exit(None)\n")
+    child = subprocess.Popen([sys.executable, "-c", leader_exits])
+    try:
+        def leader_state():
+            with open(f"/proc/{child.pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[-1].split()[0]
+        assert _wait_for(lambda: leader_state() == b"Z"), "the main thread did not exit"
+        assert not stopped(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        assert _wait_for(lambda: stopped(child.pid))
+        child.send_signal(signal.SIGCONT)
+        assert _wait_for(lambda: not stopped(child.pid))
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_member_in_the_daemons_pid_namespace_watches_the_pids_the_daemon_saw():
     me = os.getpid()
     assert peer_pids(1, [11, me, 13], None) == [11, 0, 13]
