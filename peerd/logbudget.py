@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .tally import LOG_EVERY_S
+from .tally import LOG_EVERY_S, Allowance
 
 #: INFO and WARNING lines written per interval at most: far above what a node's jobs make
 LINES_PER_INTERVAL = 1000
@@ -30,36 +30,32 @@ CALLER_DRIVEN = frozenset({"peerd.rendezvous", "peerd.agreements", "peerd.pages"
 class LogBudget(logging.Filter):
     def __init__(self, per_interval: int = LINES_PER_INTERVAL) -> None:
         super().__init__()
-        self.per_interval = per_interval
-        self._written = 0
+        self._allowance = Allowance(per_interval)
         self._held_back = 0
-        self._interval_ends = 0.0
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR or record.levelno < logging.INFO or record.name not in CALLER_DRIVEN:
             return True
         now = time.monotonic()
-        if now >= self._interval_ends:
-            self.flush()
-            self._written, self._interval_ends = 0, now + LOG_EVERY_S
-        if self._written < self.per_interval:
-            self._written += 1
+        if now >= self._allowance.ends:
+            self.flush()  # the interval's count goes out before the next interval's lines
+        if self._allowance.take(now):
             return True
         self._held_back += 1
         return False
 
     def due(self) -> float | None:
         """When the held-back lines are to be counted in the log (the loop wakes then), if any were."""
-        return self._interval_ends if self._held_back else None
+        return self._allowance.ends if self._held_back else None
 
     def flush(self) -> None:
         """Say how many lines were held back, once their interval is over."""
-        if not self._held_back or time.monotonic() < self._interval_ends:
+        if not self._held_back or time.monotonic() < self._allowance.ends:
             return
         held, self._held_back = self._held_back, 0
         logging.getLogger("peerd").warning(
             "%d log line(s) about sets and agreements not written in %gs: over %d in that time (callers making "
-            "the daemon log that much)", held, LOG_EVERY_S, self.per_interval)
+            "the daemon log that much)", held, LOG_EVERY_S, self._allowance.per_interval)
 
 
 log_budget = LogBudget()  # the daemon's handler's (peerd.cli); its loop flushes it

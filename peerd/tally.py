@@ -15,6 +15,25 @@ from collections import Counter
 LOG_EVERY_S = 10.0
 
 
+class Allowance:
+    """At most ``per_interval`` lines per LOG_EVERY_S: an interval starts at the first line asked
+    for after the last one ended."""
+
+    def __init__(self, per_interval: int) -> None:
+        self.per_interval = per_interval
+        self.ends = 0.0  # when the current interval ends (monotonic)
+        self._used = 0
+
+    def take(self, now: float) -> bool:
+        """Whether one more line may go out now."""
+        if now >= self.ends:
+            self._used, self.ends = 0, now + LOG_EVERY_S
+        if self._used < self.per_interval:
+            self._used += 1
+            return True
+        return False
+
+
 class Tally:
     def __init__(self, logger: logging.Logger, what: str, each: int = 0):
         self.total = 0
@@ -22,18 +41,13 @@ class Tally:
         self._what = what  # e.g. "shut down %d connection(s)"
         self._pending: Counter[str] = Counter()  # cause -> count not yet logged
         self._next_log = 0.0
-        self._each = each  # refusals logged on a line of their own per interval; the rest go in the summary
-        self._told, self._interval_ends = 0, 0.0
+        self._each = Allowance(each)  # refusals logged on a line of their own per interval; the rest go in the summary
 
     def add(self, cause: str, detail: str | None = None) -> None:
         """Count one refusal; ``detail``, its own line, is logged at once while fewer than ``each`` were
         this interval (one caller's refusal says who; a thousand are a count by cause)."""
         self.total += 1
-        now = time.monotonic()
-        if now >= self._interval_ends:
-            self._told, self._interval_ends = 0, now + LOG_EVERY_S
-        if detail is not None and self._told < self._each:
-            self._told += 1
+        if detail is not None and self._each.take(time.monotonic()):
             self._log.warning("%s", detail)
             return
         self._pending[cause] += 1
