@@ -243,7 +243,9 @@ class GroupLink:
     def close(self) -> None:
         """Stop using the page: its area stays mapped (and registered) for the next set in it. No
         kernel of this rank may still poll the page once its set is released."""
-        self.voter = None
+        voter, self.voter = self.voter, None
+        if voter is not None:  # a thread still waiting for its turn on it votes nothing
+            voter.close()
         asked, self._asked = self._asked, None
         if isinstance(asked, FdRequest):  # a set that failed before its page was attached
             asked.close()

@@ -65,8 +65,13 @@ class PageVoter:
         spin = spin_budget(page.npes) if spin_s is None else spin_s
         self._round = native_voter()(page.address, page.npes, rank, LAYOUT, spin, WAIT_SLICE_S)
         self._turn = TurnLock()  # one round of this rank at a time (see agree), never left held by a Ctrl-C
+        self.closed = False  # its buffer was closed: no round starts on a page that may soon be another set's
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
         self._ballots = [page.word(slot_offset(r) + OFF_VOTES) for r in range(page.npes)]
+
+    def close(self) -> None:
+        """The buffer is closing: a round under way ends as it would; none starts after this."""
+        self.closed = True
 
     @property
     def rounds(self) -> int:
@@ -87,12 +92,17 @@ class PageVoter:
         Threads of one rank take turns, as their calls through the daemon do:
         a rank's slot holds two rounds' votes, so a third round entered while
         the first is open would write over its vote (Note [Control page layout]).
-        A thread whose deadline passes while another's round runs votes nothing."""
+        A thread whose deadline passes while another's round runs votes nothing, nor does one whose turn
+        comes after the buffer was closed (``close``): once every rank released, the page's slot may hold
+        the next set's page, whose round it would vote in."""
         if not self._turn.acquire(blocking=False) and \
                 not self._turn.acquire(timeout=max(0.0, deadline - time.monotonic())):  # the clock only if contended
             return Verdict(False, f"tp_agree of {self.label}: another thread of rank {self.rank} held its round "
                                   "until this call's deadline (one rank's rounds run one at a time)")
         try:
+            if self.closed:
+                return Verdict(False, f"tp_agree of {self.label}: rank {self.rank}'s buffer was closed while this "
+                                      "call waited for its turn: it voted nothing")
             word = self._round.agree(ok, deadline)
             k = self._round.rounds
         finally:

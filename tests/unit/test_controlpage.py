@@ -265,6 +265,31 @@ def test_threads_of_one_rank_take_turns_so_a_no_is_never_written_over(pages):
     waiting.join(60)
 
 
+def test_a_thread_whose_turn_comes_after_its_buffer_closed_votes_nothing(pages):
+    """Rank 1's thread A is in round 1, B waits for its turn, and the buffer closes meanwhile: once
+    every rank released, the slot may hold the next set's page, and B voted its round there."""
+    page = pages(2)
+    mine, theirs = PageVoter(page, 1, spin_s=0), PageVoter(twin(page), 0, spin_s=0)
+    answers: dict[str, object] = {}
+
+    def vote(name):
+        answers[name] = mine.agree(True, time.monotonic() + 30)
+
+    first = threading.Thread(target=vote, args=("A",))
+    first.start()
+    time.sleep(0.2)  # A is in round 1: rank 0 has not voted
+    waiting = threading.Thread(target=vote, args=("B",))
+    waiting.start()
+    time.sleep(0.2)  # B waits for its turn
+    mine.close()
+    assert theirs.agree(True, time.monotonic() + 30).ok  # round 1 ends as it would: A's
+    first.join(30)
+    waiting.join(30)
+    assert answers["A"].ok and not answers["B"].ok and "was closed while this call waited" in answers["B"].reason
+    assert mine.rounds == 1, "B voted in no round"
+    assert not theirs.agree(True, time.monotonic() + 0.3).ok, "round 2 has no vote of rank 1"
+
+
 def test_a_signal_handler_that_raises_ends_a_wait(pages):
     page = pages(2)
     voter = PageVoter(page, 0, spin_s=0)
