@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .buffersets import State
 from .metricsport import MetricsServer
 from .outbox import Send
 from .registry import Registry
@@ -29,7 +30,8 @@ log = logging.getLogger("peerd.metrics")
 
 
 class Metrics:
-    def __init__(self, port: int, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]]):
+    def __init__(self, port: int, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]],
+                 devices: list[str]):
         try:
             from prometheus_client import REGISTRY, Counter, Histogram
             from prometheus_client.exposition import MetricsHandler
@@ -46,7 +48,7 @@ class Metrics:
         self.joins = Counter("peerd_joins", "Joins answered, by outcome (ok or the error code)", ["outcome"])
         self.agreements = Counter("peerd_agreements", "tp_agree rounds answered by the daemon (the message path; "
                                   "rounds on a control page never reach it), by outcome", ["outcome"])
-        REGISTRY.register(_Gauges(registry, arena_usage))
+        REGISTRY.register(_Gauges(registry, arena_usage, devices))
         self.port = port
         self._handler = type("_Handler", (MetricsHandler,), {"registry": REGISTRY})
         self.server: MetricsServer | None = None
@@ -105,18 +107,21 @@ class Metrics:
 
 
 class _Gauges:
-    """Buffer sets by state, ranks held, bytes by device, arena chunks, rank deaths: read at scrape time."""
+    """Buffer sets by state, ranks held, bytes by device, arena chunks, rank deaths: read at scrape time.
+    Every state and every device served has its series, at 0 when nothing is there: a series that
+    vanished would read as its last value (stale) to a dashboard, never as the return to zero."""
 
-    def __init__(self, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]]):
+    def __init__(self, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]], devices: list[str]):
         self._registry = registry
         self._arena_usage = arena_usage  # takes the arenas' lock: a scrape waits for at most one allocation
+        self._devices = devices  # the identities of the devices the backend serves
 
     def collect(self) -> Any:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         sets = self._registry.all_sets()  # list() copies of dict values: atomic under the GIL
         by_state = GaugeMetricFamily("peerd_buffer_sets", "Buffer sets, by state", labels=["state"])
-        counts: dict[str, int] = {}
+        counts = dict.fromkeys((state.value for state in State), 0)
         for b in sets:
             counts[b.state.value] = counts.get(b.state.value, 0) + 1
         for state, n in sorted(counts.items()):
@@ -124,7 +129,7 @@ class _Gauges:
         yield by_state
         yield GaugeMetricFamily("peerd_ranks_held", "Ranks holding a buffer set", value=self._registry.ranks_holding())
         by_device = GaugeMetricFamily("peerd_bytes_allocated", "Bytes allocated, by device", labels=["device"])
-        for device, n in sorted(dict(self._registry.bytes_by_device).items()):
+        for device, n in sorted({**dict.fromkeys(self._devices, 0), **self._registry.bytes_by_device}.items()):
             by_device.add_metric([device], n)
         yield by_device
         reserved = GaugeMetricFamily("peerd_arena_reserved_bytes", "Bytes of arena chunks reserved, by device and uid",

@@ -185,7 +185,8 @@ class Daemon:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         if self.settings.metrics_port:
-            self.metrics = Metrics(self.settings.metrics_port, self.registry, self.backend.usage)
+            self.metrics = Metrics(self.settings.metrics_port, self.registry, self.backend.usage,
+                                   [d["uuid"] for d in self.backend.devices()])
         log.info(
             "peerd %s serving %s with the %s backend (pid %d); allowed: %s",
             __version__, self.socket_path, self.backend.name, os.getpid(), self.allowlist.describe(),

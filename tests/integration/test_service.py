@@ -147,7 +147,10 @@ def test_prometheus_metrics(socket_dir):
         assert 'peerd_agreements_total{outcome="true"} 4.0' in text  # two barriers by two ranks
         assert "peerd_rank_deaths_total 1.0" in text
         assert 'peerd_request_seconds_bucket{le="0.001",op="hello"}' in text
-        assert "peerd_ranks_held 0.0" in text and 'peerd_bytes_allocated{device="host"}' not in text
+        # everything released: each series reads 0 (one that vanished read as its last value, stale, to a dashboard)
+        assert "peerd_ranks_held 0.0" in text and 'peerd_bytes_allocated{device="host"} 0.0' in text
+        assert all(f'peerd_buffer_sets{{state="{state}"}} 0.0' in text for state in ("joining", "opening", "live"))
+        assert 'peerd_buffer_sets{state="failed"} 1.0' in text  # the dead rank's set: its verdict kept a while
     finally:
         assert d.stop() == 0
 
