@@ -198,17 +198,29 @@ class Daemon:
 
     def serve(self) -> None:
         """Serve until SIGTERM or SIGINT, drain, then free everything and remove the socket."""
-        self.bind()
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}  # before bind announces readiness
+        try:
+            self.bind()
+        except BaseException:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            raise
         old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
+        if self._signals:  # came while binding: the loop's first wait must not sleep through them
+            self._wake_loop()
         try:
             self._loop()
         finally:
-            signal.set_wakeup_fd(old_wakeup)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            signal.set_wakeup_fd(old_wakeup)  # the wake-up pipe closes in shutdown
+            for s in handled:  # a signal now would cut the cleanup short and leave the socket behind; the
+                signal.signal(s, self._on_signal_while_stopping)  # process ends after serve(), so they stay
             self.shutdown()
+
+    @staticmethod
+    def _on_signal_while_stopping(signum: int, _frame: Any) -> None:
+        log.info("%s: already stopping: every buffer is freed, then the socket is removed (SIGKILL stops at once, "
+                 "leaving the socket for the next daemon to replace)", signal.Signals(signum).name)
 
     def _handle_signals(self, now: float) -> Outbox:
         out: Outbox = []
@@ -291,23 +303,25 @@ class Daemon:
                 log.warning("%s is still held by %s: freeing it anyway; kernels of those processes may "
                             "still touch its memory", bset.label, holders)
         self._notifier.stopping("stopping: freeing every buffer")
-        self.backend.stopping()  # what live workers still map stays as it is
-        self.pages.shutdown()  # every group's abort word, before its memory goes
-        self._deliver(self.registry.shutdown())
-        if self.metrics is not None:
-            self.metrics.close()
-        self._notifier.close()
-        self.backend.close()
-        self._watcher.close()
-        self._router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies (SHUTTING_DOWN) still go out
-        self._fd_channel.close()
-        self._ctx.term()
-        self._guard.join()
-        self._wake_r.close()
-        self._wake_w.close()
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)
-        self._lock.release()
+        try:
+            self.backend.stopping()  # what live workers still map stays as it is
+            self.pages.shutdown()  # every group's abort word, before its memory goes
+            self._deliver(self.registry.shutdown())
+            if self.metrics is not None:
+                self.metrics.close()
+            self._notifier.close()
+            self.backend.close()
+            self._watcher.close()
+            self._router.close(linger=SHUTDOWN_LINGER_MS)  # the last replies (SHUTTING_DOWN) still go out
+            self._ctx.term()
+            self._guard.join()
+            self._wake_r.close()
+            self._wake_w.close()
+        finally:  # whatever failed above: no socket is left for clients to wait on, the lock goes
+            self._fd_channel.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            self._lock.release()
         log.info("stopped")
 
     # ------------------------------------------------------------ the loop

@@ -42,6 +42,32 @@ def test_a_reload_raising_max_connections_past_the_fd_limit_warns_as_a_start_doe
         assert d.stop() == 0, d.logs()
 
 
+@pytest.mark.parametrize("second", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_signals_at_readiness_and_during_shutdown_leave_a_clean_stop(socket_dir, second):
+    """A stop right as the daemon says it serves (systemctl stop after start), and another signal while
+    it shuts down (a second Ctrl-C): the handlers were installed only after readiness and taken away
+    before the cleanup, so the daemon died "Aborted!" or by the signal, leaving the socket, the fd
+    socket and the lock behind; clients then waited out their whole connect timeout on them."""
+    path = os.path.join(socket_dir, "peerd.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", path],
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving" in line:
+                proc.send_signal(signal.SIGINT)
+            if "shutting down" in line:
+                proc.send_signal(getattr(signal, second))
+                break
+        lines += proc.stderr.readlines()
+        assert proc.wait(timeout=30) == 0, "".join(lines)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "stopped" in lines[-1] and sorted(os.listdir(socket_dir)) == [], "".join(lines)
+
+
 def test_notify_protocol_ready_status_watchdog_stopping(socket_dir):
     path = os.path.join(socket_dir, "notify")
     systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
