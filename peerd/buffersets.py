@@ -79,6 +79,8 @@ class BufferSet:
     commit: Round | None = None
     failure: ProtocolError | None = None
     told: set[int] = field(default_factory=set)  # ranks that have heard the failure
+    took_part: set[int] = field(default_factory=set)  # pids that were refused by it, withdrew or heard its
+    # verdict (its slots name those that joined): a kept verdict is for their job, not for a relaunch
     timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers
     patience: float = 0.0  # the longest rendezvous timeout a rank asked for
 
@@ -95,9 +97,10 @@ class BufferSet:
         (a backend may reserve it off the daemon's loop)."""
         return "its set's memory was ready" if len(self.slots) == self.npes else "every rank joined"
 
-    def heard(self, rank: int) -> None:
-        """``rank`` has heard the verdict; a rank outside the set (a join that disagreed on npes) is none of
-        the ranks its verdict is kept for."""
+    def heard(self, rank: int, pid: int) -> None:
+        """``rank`` (process ``pid``) has heard the verdict; a rank outside the set (a join that disagreed on
+        npes) is none of the ranks its verdict is kept for."""
+        self.took_part.add(pid)
         if rank < self.npes:
             self.told.add(rank)
 
@@ -114,6 +117,10 @@ class BufferSet:
     def holding_slots(self) -> list[Slot]:
         """The slots whose rank still holds the set: while there is one, its memory stays."""
         return [s for s in self.slots.values() if s.held]
+
+    def participants(self) -> set[int]:
+        """Every pid that joined it, was refused by it, withdrew from it or heard its verdict."""
+        return self.took_part | {s.pid for s in self.slots.values()}
 
     def missing(self) -> list[int]:
         return [r for r in range(self.npes) if r not in self.slots]

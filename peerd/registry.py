@@ -18,7 +18,7 @@ administrators (root and the daemon's uid) see every namespace, in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .agreements import Agreement, Agreements
 from .buffersets import BufferSet, listing_entry, listing_position
@@ -47,6 +47,7 @@ class Registry:
         pages: NoPages | Pages = NoPages(),
         ready: Ready = lambda allocation: True,  # memory handed out as soon as it is allocated
         footprint: Footprint = lambda nbytes: nbytes,  # the size an allocation of nbytes has
+        alive: Callable[[int], bool] = lambda pid: True,  # whether a pid runs: kept verdicts are for live jobs
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
@@ -54,7 +55,8 @@ class Registry:
         self._waits = Waits(rendezvous_timeout, agreement_timeout)
         self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages, ready,
                                 left=lambda *member: self._agreements.rank_left(*member),
-                                back=lambda *member: self._agreements.rank_back(*member), footprint=footprint)
+                                back=lambda *member: self._agreements.rank_back(*member), footprint=footprint,
+                                alive=alive)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

@@ -61,7 +61,13 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 #     of the set asked for) after it failed (after it was created, where the
 #     failure came with no time: a commit timeout, an eviction), so a rank
 #     still coming within its own timeout hears it, and the key is free again
-#     after that. Such a set does not count against --max-groups.
+#     after that. Such a set does not count against --max-groups;
+#   - a kept verdict whose every participant has exited (each process that
+#     joined it, was refused by it, withdrew or heard it) is a job's
+#     relaunch knocking, not a late rank of it: the verdict is forgotten and
+#     the join starts a new rendezvous. Told the old launch's error (naming
+#     its dead pids, a typo the relaunch fixed), one rank of a relaunch
+#     failed at once while its peers waited out a rendezvous of their own.
 
 
 #: what a process refused a rank it still holds can do
@@ -88,12 +94,13 @@ class Rendezvous:
                  pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
                  left: Left = lambda uid, group, rank, pid, reason: [],
                  back: Back = lambda uid, group, rank, pid, opened: None,
-                 footprint: Footprint = lambda nbytes: nbytes):
+                 footprint: Footprint = lambda nbytes: nbytes, alive: Callable[[int], bool] = lambda pid: True):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._left, self._back = left, back  # the group's agreement, told as a member leaves it and comes back
         self._allocate = allocate
         self._footprint = footprint  # what the quotas check: the size the allocation will have, not the asked one
         self._ready = ready
+        self._alive = alive  # whether a pid (as the kernel reported it; 0: not visible here) still runs
         self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
         # that wait for memory there: a chunk's readiness asks those alone
         self._free = free
@@ -131,7 +138,12 @@ class Rendezvous:
         if refused:
             return None, [refused]
         if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
-            return None, [self._tell_failure(bset, rank, caller)]
+            if any(pid <= 0 or self._alive(pid) for pid in bset.participants()):
+                return None, [self._tell_failure(bset, rank, who.pid, caller)]
+            log.info("%s: a join by pid %d after every process of the failed set exited: a relaunch, so the set's "
+                     "verdict (%s) is forgotten and a new rendezvous starts", bset.label, who.pid, bset.failure.message)
+            self._forget(bset)
+            bset = None
         if bset is not None and bset.state is not State.JOINING:
             refused = self._supersede(bset, rank, caller, CLOSE_FIRST)
             if refused:
@@ -148,7 +160,7 @@ class Rendezvous:
             return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         problem = bset.mismatch(req)
         if problem:
-            bset.heard(rank)
+            bset.heard(rank, who.pid)
             return None, self._fail(bset, ErrorCode.MISMATCH, problem, [caller], now=now)
         return bset, []
 
@@ -157,13 +169,13 @@ class Rendezvous:
         rank, device, pid, uid = req["rank"], req["device"], who.pid, who.uid
         refusal = self._quotas.usage_refusal(self._footprint(bset.nbytes), uid, device)
         if refusal:
-            bset.heard(rank)
+            bset.heard(rank, pid)
             message = f"rank {rank} (pid {pid}): {refusal}"
             return self._fail(bset, ErrorCode.LIMIT_EXCEEDED, message, [caller], now=now)
         try:
             allocation = self._allocate(bset.nbytes, device, bset.flags, bset.owner_uid)
         except ProtocolError as err:
-            bset.heard(rank)
+            bset.heard(rank, pid)
             return self._fail(bset, err.code, f"rank {rank} (pid {pid}): {err.message}", [caller], now=now)
         self._quotas.charge(uid, allocation.device, allocation.size)
         slot = Slot(rank, pid, uid, device, allocation, now, waiter=caller, own_pid=req.get("own_pid"))
@@ -225,7 +237,7 @@ class Rendezvous:
             if self._room_refusal(key):
                 return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
             bset = self._new_set(key, npes, 0, 0, now)
-        bset.heard(rank)
+        bset.heard(rank, pid)
         return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
 
     def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str) -> Send | None:
@@ -251,9 +263,9 @@ class Rendezvous:
                 return _still_held(caller, bset, held, CLOSE_FIRST)
         return None
 
-    def _tell_failure(self, bset: BufferSet, rank: int, caller: Caller) -> Send:
+    def _tell_failure(self, bset: BufferSet, rank: int, pid: int, caller: Caller) -> Send:
         """A late rank hears a kept verdict. See Note [Failure verdicts are kept]."""
-        bset.heard(rank)
+        bset.heard(rank, pid)
         if len(bset.told) == bset.npes:
             self._forget(bset)
         return Send(caller, error=bset.failure)

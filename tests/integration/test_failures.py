@@ -103,6 +103,18 @@ def test_the_first_peerbuffer_after_a_daemon_restart_works(daemon):
     assert result["dead_chunks_while_old_open"] == 1 and result["dead_chunks_after"] == 0, result
 
 
+def test_a_fixed_relaunch_is_not_told_the_failed_launchs_verdict(daemon):
+    """A launch with a typo (rank 1 came first, with npes=3), fixed and launched again: the kept verdict
+    was for the 3-rank set's missing rank 2, and the relaunch got the old MISMATCH, naming dead pids."""
+    typo = start_rank(daemon, "join", 1, 3, "--group", "relaunched")
+    wait_until(lambda: "group=relaunched name=default rank=1" in daemon.logs(), 60, "rank 1's join")
+    first_launch = [finish(start_rank(daemon, "join", 0, 2, "--group", "relaunched")), finish(typo)]
+    assert [r["code"] for r in first_launch] == ["MISMATCH", "MISMATCH"], first_launch
+    relaunch = run_ranks(daemon, "join", 2, "--group", "relaunched")
+    assert all(r["ok"] for r in relaunch), relaunch
+    assert "a relaunch, so the set's verdict" in daemon.logs()
+
+
 def test_a_forked_child_gets_a_clear_error_and_leaves_the_parent_alone(daemon):
     results = run_ranks(daemon, "forked", 2, "--group", "forks")
     for r in results:
