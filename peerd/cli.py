@@ -9,6 +9,7 @@ stderr). `ls` exits 0 or 3. 2 stays click's usage error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -73,7 +74,32 @@ def serve(settings: Settings) -> None:
         raise click.ClickException(str(err)) from None
 
 
-@main.command(options_metavar="[SERVE OPTIONS] --", context_settings={"allow_interspersed_args": False})
+class _LauncherCommand(click.Command):
+    """`peerd run`: its own failures, bad options and settings included, exit EXIT_FAILED, never click's
+    1 or 2, which a job's own exit status could be."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        with _exiting_failed():
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _exiting_failed():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _exiting_failed() -> Iterator[None]:
+    from .launcher import EXIT_FAILED
+
+    try:
+        yield
+    except click.ClickException as err:
+        err.exit_code = EXIT_FAILED
+        raise
+
+
+@main.command(cls=_LauncherCommand, options_metavar="[SERVE OPTIONS] --",
+              context_settings={"allow_interspersed_args": False})
 @serve_options(hidden=("socket",), node_file=False)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="CMD [ARGS]...")
 def run(settings: Settings, command: tuple[str, ...]) -> None:

@@ -175,7 +175,19 @@ def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs():
 def test_socket_is_the_launchers_to_choose():
     done = subprocess.run([sys.executable, "-m", "peerd", "run", "--socket", "/tmp/x.sock", "--", "true"],
                           capture_output=True, text=True, timeout=PATIENCE_S)
-    assert done.returncode == 2 and "drop --socket" in done.stderr
+    assert done.returncode == 125 and "drop --socket" in done.stderr
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (("--config", "/nonexistent/peerd.toml"), {}, "configuration file /nonexistent/peerd.toml does not exist"),
+    ((), {"PEERD_MAX_GROUPS": "abc"}, "environment (PEERD_MAX_GROUPS): bad value"),
+    (("--backend", "foo"), {}, "Invalid value for '--backend'"),
+])
+def test_peerd_runs_own_failures_exit_125_never_a_status_the_job_could_have(args, env, says):
+    """Bad options, settings or environment exited 1 or 2: a wrapper could not tell them from the job's own."""
+    done = subprocess.run([sys.executable, "-m", "peerd", "run", *args, "--", sys.executable, "-c", "print('ran')"],
+                          capture_output=True, text=True, timeout=PATIENCE_S, env={**os.environ, **env})
+    assert done.returncode == 125 and says in done.stderr and "ran" not in done.stdout, done
 
 
 def test_the_daemon_gets_the_serve_options_given_to_peerd_run(tmp_path):
