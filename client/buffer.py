@@ -13,7 +13,7 @@ from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
 from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_timeout, connection
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
-from .groupkey import Membership, remember, resolve
+from .groupkey import Membership, integral, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
 from .stoppedpeers import own_pid, stopped_peers
@@ -70,6 +70,7 @@ class PeerBuffer:
         flags: int = 0,
         timeout: float | None = None,
     ):
+        nbytes = integral(nbytes)
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         checked_timeout("PeerBuffer", timeout)

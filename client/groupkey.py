@@ -10,6 +10,7 @@ or two groups of one job, never share a key even on one node.
 from __future__ import annotations
 
 import datetime
+import operator
 import os
 import threading
 import uuid
@@ -67,8 +68,20 @@ def _process_group_key(pg, rank: int, timeout: float) -> str:
         return key
 
 
+def integral(value):
+    """An integer of any kind (numpy's, torch's: engines compute sizes and ranks with them) as an int;
+    anything else as it is, for the protocol's checks to name (a bool is no count)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # a float, a string, a float tensor
+        return value
+
+
 def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
     """The membership ``group`` names; ValueError where it cannot be known."""
+    rank, npes = integral(rank), integral(npes)
     if isinstance(group, str):
         if rank is None or npes is None:
             known = _joined.get(group)

@@ -236,6 +236,18 @@ def stale_release(args) -> dict:
     return out
 
 
+def numpy_sizes(args) -> dict:
+    """A PeerBuffer sized and placed with numpy integers, as engines compute them."""
+    import numpy as np
+
+    from peerd_client import PeerBuffer, tp_agree
+
+    with PeerBuffer(np.prod([args.nbytes // 8]) * np.dtype(np.float64).itemsize, args.group, np.int64(args.rank),
+                    np.int32(args.npes), args.device) as buf:
+        return {"nbytes": buf.nbytes, "types": [type(v).__name__ for v in (buf.nbytes, buf.rank, buf.npes)],
+                "agreed": tp_agree(True, args.group)}
+
+
 def bad_timeouts(args) -> dict:
     """tp_agree with deadlines no wait can honour, on the page (a PeerBuffer of the group) and through
     the daemon (a group of explicit rank and npes): each path's refusal code, and a good round after."""
@@ -974,6 +986,7 @@ def signals(args) -> dict:
 
 
 SCENARIOS = {
+    "numpy_sizes": numpy_sizes,
     "kept": kept,
     "outlived": outlived,
     "close_race": close_race,

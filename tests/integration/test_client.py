@@ -138,3 +138,9 @@ def test_ctrl_c_at_any_instant_of_a_call_never_leaves_the_connection_held(daemon
     result = run_ranks(daemon, "ctrl_c_storm", 1, "--hold", "8", "--group", "storm")[0]
     assert result["ok"] and result["interrupts"] > 1000 and result["free"], result
     wait_until(lambda: "no buffer sets" in daemon.cli("ls").stdout, 10, "the closed buffer's release")
+
+
+def test_numpy_integers_size_and_place_a_buffer(daemon):
+    """Engines compute sizes with numpy (np.prod(shape) * itemsize); an np.int64 size was refused as not an int."""
+    results = run_ranks(daemon, "numpy_sizes", 2, "--group", "numpy-sized", "--nbytes", "4096")
+    assert all(r["ok"] and r["agreed"] and r["nbytes"] == 4096 and r["types"] == ["int"] * 3 for r in results), results

@@ -16,3 +16,13 @@ def test_a_lone_rank_or_npes_must_match_the_membership_this_process_joined(monke
     for rank, npes in ((1, None), (None, 4)):
         with pytest.raises(ValueError, match=r"contradict this process's place in group 'k' \(rank 0 of 2\)"):
             resolve("k", rank, npes, 1)
+
+
+def test_integers_of_any_kind_count_and_other_values_are_left_for_the_protocols_check():
+    """Engines compute sizes and ranks with numpy and torch; their integers were refused as not int."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    assert resolve("numpy-key", np.int64(1), np.int32(2), 1) == Membership("numpy-key", 1, 2)
+    assert type(resolve("torch-key", torch.tensor(0), 2, 1).rank) is int
+    for other in (1.0, True, "1", torch.tensor(1.5)):  # the join's check refuses them (BAD_REQUEST, naming the field)
+        assert resolve("k", other, 2, 1).rank is other
