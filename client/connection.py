@@ -191,6 +191,7 @@ class Connection:
                 f"(trusted: {describe_trusted(trusted)}); it could be another user's impostor. {DAEMON_USER_ADVICE}",
                 UntrustedPath.code,
             )
+        self.daemon_uid = sender.uid  # as the kernel reports it
         try:
             reply = decode_reply(frame.bytes)
         except ProtocolError as err:

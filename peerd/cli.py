@@ -305,6 +305,10 @@ def evict(socket_path: str, group: str, name: str | None, uid: int | None, yes: 
     """
     conn = _connect(socket_path)
     try:
+        if os.geteuid() not in (0, conn.daemon_uid):  # the daemon refuses it (FORBIDDEN): say so before any warning
+            click.echo(f"peerd: evict refused: only root or the daemon's user (uid {conn.daemon_uid}) may evict; "
+                       f"uid {os.geteuid()} may not", err=True)
+            sys.exit(1)
         sets = []
         for g in _buffer_sets(conn, after=[group, "", -2]):  # the group's sets come first, by name and uid
             if g["group"] != group:

@@ -296,6 +296,12 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
         wait_until(lambda: "group=stuck name=default live" in d.logs(), 90, "the set to go live")
         refused = call(d, "evict", {"group": "stuck"}, *as_user(probe_user))
         assert refused["code"] == "FORBIDDEN" and "only root or uid" in refused["message"]
+        uid, gid, sock_gid = probe_user  # the command refuses at once: no warning, no question first
+        asked = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}:{sock_gid}",
+                                "evict", "stuck", "--socket", d.socket], input="y\n", capture_output=True, text=True,
+                               env=d.env(), timeout=60)
+        assert asked.returncode == 1 and "WARNING" not in asked.stderr and "[y/N]" not in asked.stderr, asked
+        assert f"only root or the daemon's user (uid 0) may evict; uid {uid} may not" in asked.stderr, asked
         result = d.cli("evict", "stuck", "--yes")
         assert result.returncode == 0, result.stderr
         assert "WARNING" in result.stderr and str(holders[0].pid) in result.stderr
