@@ -58,9 +58,16 @@ class Metrics:
             threading.Thread(target=self._listen_later, name="peerd-metrics-bind", daemon=True).start()
 
     def _listen(self, first: bool = False) -> bool:
-        """Serve on the port, if no other process holds it; whether it does now."""
+        """Serve on the port, if no other process holds it; False where trying again later may succeed."""
         try:
             server = MetricsServer(self.port, self._handler)
+        except PermissionError as err:  # nobody holds it: this user may not bind it, now or later
+            why = ("ports below 1024 need root or CAP_NET_BIND_SERVICE, which the daemon's user lacks (the shipped "
+                   "unit grants neither): pick a metrics_port of 1024 or more" if self.port < 1024 else
+                   "a security policy keeps the daemon's user from binding it: pick another metrics_port")
+            log.error("metrics: cannot listen on 127.0.0.1:%d (%s): %s; serving on without metrics", self.port,
+                      err.strerror or err, why)
+            return True
         except OSError as err:
             if first:
                 log.error("metrics: cannot listen on 127.0.0.1:%d (%s): serving on without metrics and trying the "

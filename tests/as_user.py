@@ -7,6 +7,9 @@ everything the daemon needs is imported first, then privileges are dropped.
 import os
 import sys
 
+import prometheus_client.core  # noqa: F401  (--metrics-port: imported by the daemon once it serves)
+import prometheus_client.exposition  # noqa: F401
+
 import peerd.access  # noqa: F401
 import peerd.backends.host  # noqa: F401
 import peerd.cli

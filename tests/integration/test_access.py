@@ -318,7 +318,9 @@ def test_evict_frees_a_stuck_group_warns_and_is_for_admins_only(socket_dir, prob
 
 
 def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_group(socket_dir, probe_user):
-    """The systemd layout: the daemon is not root, the workers are another user of the socket group."""
+    """The systemd layout: the daemon is not root, the workers are another user of the socket group. A
+    metrics port it may not bind (below 1024) is said to be that, not held by another user (and not
+    tried again every few seconds)."""
     uid, gid, sock_gid = probe_user
     other = pwd.getpwnam(OTHER_USER)
     os.chown(socket_dir, uid, gid)
@@ -327,10 +329,12 @@ def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_grou
                extra_env={"PEERD_DAEMON_USER": USER})  # the workers trust this daemon's user
     d.proc = subprocess.Popen(
         [sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}:{sock_gid}", "serve",
-         "--backend", "host", "--socket", d.socket, "--socket-group", SOCKET_GROUP],
+         "--backend", "host", "--socket", d.socket, "--socket-group", SOCKET_GROUP, "--metrics-port", "1"],
         stdout=open(d.log, "ab"), stderr=subprocess.STDOUT, env=d.env())
     wait_until(lambda: "serving" in d.logs() or d.proc.poll() is not None, 60, "the daemon to start")
     try:
+        assert "cannot listen on 127.0.0.1:1 (Permission denied): ports below 1024 need root or " \
+               "CAP_NET_BIND_SERVICE" in d.logs() and "trying the port again" not in d.logs(), d.logs()
         results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
                             f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
         assert all(r["ok"] for r in results), results
