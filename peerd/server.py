@@ -139,6 +139,7 @@ class Daemon:
         self._stopping = False
         self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
         self._signals: list[int] = []
+        self._reload_failed: str | None = None  # why the last SIGHUP changed nothing, until one succeeds
         self._notifier = Notifier()
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
@@ -264,7 +265,9 @@ class Daemon:
         """
         if error is not None:
             log.error("SIGHUP: configuration not reloaded, keeping the running one: %s", error)
+            self._reload_failed = f"the last reload failed, the running configuration is kept: {error}"
         else:
+            self._reload_failed = None
             fresh, self.allowlist = read
             logging.getLogger().setLevel(fresh.log_level.upper())
             self.registry.configure(fresh.limits, fresh.rendezvous_timeout, fresh.agreement_timeout)
@@ -292,8 +295,11 @@ class Daemon:
             self._wake_w.send(b"r")
 
     def _summary(self) -> str:
+        """The STATUS systemd shows; a reload that failed stays in it until one succeeds (`systemctl reload`
+        cannot fail: the daemon's READY=1 ends it either way)."""
         sets, held = self.registry.set_count(), self.registry.ranks_holding()
-        return f"serving {self.socket_path} ({self.backend.name}): {sets} buffer set(s), {held} rank(s) held"
+        summary = f"serving {self.socket_path} ({self.backend.name}): {sets} buffer set(s), {held} rank(s) held"
+        return summary if self._reload_failed is None else f"{summary}; {self._reload_failed}"
 
     def shutdown(self) -> None:
         log.info("shutting down: failing waiters and freeing every buffer")

@@ -101,6 +101,36 @@ def test_notify_protocol_ready_status_watchdog_stopping(socket_dir):
         d.stop()
 
 
+def test_a_reload_that_failed_stays_in_the_status_systemd_shows_until_one_succeeds(socket_dir):
+    """`systemctl reload` ends at the daemon's READY=1 whether the file was good or not: its STATUS said
+    nothing of a failed one, so an administrator who did not read the log believed the change applied."""
+    path = os.path.join(socket_dir, "notify")
+    systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    systemd.bind(path)
+    systemd.settimeout(20)
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text("max_groups = 12\n")
+    d = daemon_in(socket_dir, NOTIFY_SOCKET=path, PEERD_CONFIG=str(config))
+
+    def status_after_reload() -> str:
+        d.proc.send_signal(signal.SIGHUP)
+        seen = ""
+        while "READY=1" not in seen.split("RELOADING=1", 1)[-1]:
+            seen += systemd.recv(4096).decode() + "\n"
+        return seen.rsplit("STATUS=", 1)[1].splitlines()[0]
+
+    try:
+        assert "READY=1" in systemd.recv(4096).decode()
+        config.write_text("bogus = 1\n")
+        failed = status_after_reload()
+        assert failed.startswith(f"serving {d.socket}") and "the last reload failed" in failed and "bogus" in failed
+        config.write_text("max_groups = 13\n")
+        assert "failed" not in status_after_reload()
+    finally:
+        systemd.close()
+        assert d.stop() == 0, d.logs()
+
+
 def test_config_file_environment_and_command_line_with_their_sources(socket_dir):
     config = Path(socket_dir) / "peerd.toml"
     config.write_text('log_level = "debug"\nmax_groups = 12\nallow_uid = [1000, 1001]\nmax_buffer_bytes = "64MiB"\n')
