@@ -328,7 +328,7 @@ class Loader:
                 value, source = given, "command line"
             elif env is not None:
                 source = f"environment ({_env_name(option.name)})"
-                value = _convert(option, env.split(",") if option.multiple else env, source)
+                value = _convert(option, _listed(env) if option.multiple else env, source)
             elif option.name in from_file:
                 source = path
                 value = _convert(option, from_file[option.name], source)
@@ -337,6 +337,12 @@ class Loader:
                 source = "default"
             values[option.name], sources[option.name] = value, source
         return Settings(**values), sources
+
+
+def _listed(env: str) -> list[str]:
+    """A repeatable option's environment value: items apart by commas or whitespace, as shells and
+    click write lists (no uid or group name holds either)."""
+    return [item for item in re.split(r"[\s,]+", env) if item]
 
 
 def _read_config(path: str) -> str:
