@@ -82,6 +82,12 @@ def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
         created = True
     except FileExistsError:
         created = False
+    except OSError as err:  # its parent is not this daemon's to write (EACCES), a read-only or virtual fs
+        raise UnsafeSocketDirectory(
+            f"cannot create the socket directory {directory}: {err.strerror}: give another --socket (or "
+            f"PEERD_SOCKET) in a directory this daemon ({describe_uid(os.geteuid())}) may create, or create "
+            "this one for it (owned by it, writable by no one else)"
+        ) from None
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except PermissionError:

@@ -25,7 +25,7 @@ class AlreadyRunning(RuntimeError):
 
 
 class UnsafeLockFile(RuntimeError):
-    """Something other than a lock file is at the lock file's path."""
+    """The lock file cannot be taken: something other than a lock file is at its path, or it cannot be made."""
 
 
 #: opens of a lock file that keeps being removed under the opener, before giving up
@@ -55,7 +55,8 @@ class SocketLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             if err.errno != errno.ELOOP:
-                raise
+                raise UnsafeLockFile(f"cannot open the lock file {self.path}: {err.strerror}: give another "
+                                     "--socket, where this daemon may create files beside the socket") from None
             raise UnsafeLockFile(
                 f"the lock file {self.path} is a symlink, which peerd never follows: remove it "
                 "(no daemon made it), then start again"

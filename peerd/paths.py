@@ -42,6 +42,8 @@ def something_at(path: str) -> bool:
 
 def check_socket_path(path: str) -> str:
     """The path, absolute; ValueError for what libzmq's ipc transport cannot use."""
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"the socket path must be a file path, not {path!r}")
     if path.startswith("@"):
         raise ValueError(f"{path!r} is an abstract-namespace socket; peerd needs a filesystem path")
     path = os.path.abspath(path)

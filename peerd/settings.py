@@ -270,6 +270,8 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
     items = raw if isinstance(raw, (list, tuple)) else [raw]
     if not option.multiple and isinstance(raw, (list, tuple)):
         raise ConfigError(f"{source}: {option.name} takes one value, not a list")
+    if _param_type(option) is click.STRING and not all(isinstance(item, str) for item in items):  # click made 5 "5"
+        raise ConfigError(f"{source}: {option.name} takes a string (in quotes), not {raw!r}")
     try:
         values = tuple(_param_type(option).convert(item, None, None) for item in items)
     except click.BadParameter as err:

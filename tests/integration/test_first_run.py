@@ -41,13 +41,17 @@ def test_a_drain_says_how_to_stop_at_once_and_names_who_still_held_memory(socket
 
 def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_at_once(daemon):
     """Asking for a CUDA buffer where CUDA is unusable: a MonoUnsupported, and no peer waits out its timeout."""
+    late = start_rank(daemon, "join", 2, 3, "--group", "nocuda", "--join-on-line", stdin=subprocess.PIPE)
+    assert late.stdout.readline().strip() == "READY"  # started with the job, it joins after the others ended
     waiting = start_rank(daemon, "join", 1, 3, "--group", "nocuda", "--timeout", "600")
     wait_until(lambda: "group=nocuda name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
     (missing,) = run_ranks(daemon, "join", 3, "--group", "nocuda", "--device", "cuda:0", ranks=[0])
     assert missing["type"] == "MonoUnsupported" and missing["code"] == "BACKEND_UNAVAILABLE", missing
     peer = finish(waiting)
     assert peer["code"] == "GROUP_FAILED" and "rank 0" in peer["message"] and "cannot take part" in peer["message"]
-    (late,) = run_ranks(daemon, "join", 3, "--group", "nocuda", ranks=[2])  # a peer still to come learns it too
+    late.stdin.write("go\n")  # a peer still to come learns it too
+    late.stdin.flush()
+    late = finish(late)
     assert late["code"] == "GROUP_FAILED" and "cannot take part" in late["message"], late
 
 
@@ -69,3 +73,23 @@ def test_a_failed_set_is_listed_as_failed_holding_nothing_with_its_reason_on_a_l
     assert " 4.0 KiB  0 B " in row and " failed " in row and row.split()[-2] == "-", row  # SIZE, HELD, no holders
     assert why.startswith("    why failed: rank 1 of group=odd name=default asked for"), why
     assert "0 B allocated" in daemon.cli("status").stdout
+
+
+def test_a_socket_location_the_daemon_cannot_use_is_named_with_what_to_do(socket_dir):
+    """These gave a bare errno ('[Errno 21] Is a directory: ...'), took the working directory for an empty
+    path, or served ./5 for `socket = 5` in the file."""
+    config = Path(socket_dir) / "peerd.toml"
+    config.write_text("socket = 5\n")
+    os.mkdir(Path(socket_dir) / "p.sock.lock")
+    cases = [
+        (["--config", str(config)], "socket takes a string (in quotes), not 5"),
+        (["--socket", ""], "the socket path must be a file path, not ''"),
+        (["--socket", os.path.join(socket_dir, "p.sock")], f"cannot open the lock file {socket_dir}/p.sock.lock: "
+                                                         "Is a directory: give another --socket"),
+        (["--socket", "/proc/peerd-test/p.sock"], "cannot create the socket directory /proc/peerd-test: "),
+    ]
+    for args, says in cases:
+        done = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", *args], cwd=socket_dir,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and says in done.stderr and "[Errno" not in done.stderr, (args, done.stderr)
+    assert sorted(os.listdir(socket_dir)) == ["p.sock.lock", "peerd.toml"], "nothing served, nothing made"
