@@ -71,7 +71,7 @@ def _process_group_key(pg, rank: int, timeout: float) -> str:
 def integral(value):
     """An integer of any kind (numpy's, torch's: engines compute sizes and ranks with them) as an int;
     anything else as it is, for the protocol's checks to name (a bool is no count)."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) == "torch.bool":
         return value
     try:
         return operator.index(value)

@@ -79,7 +79,6 @@ class BufferSet:
     commit: Round | None = None
     failure: ProtocolError | None = None
     told: set[int] = field(default_factory=set)  # ranks that have heard the failure
-    failed_at: float = 0.0  # when it failed (monotonic)
     took_part: set[int] = field(default_factory=set)  # pids that were refused by it, withdrew or heard its
     # verdict (its slots name those that joined): a kept verdict is for their job, not for a relaunch
     timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers

@@ -48,7 +48,6 @@ class Registry:
         ready: Ready = lambda allocation: True,  # memory handed out as soon as it is allocated
         footprint: Footprint = lambda nbytes: nbytes,  # the size an allocation of nbytes has
         alive: Callable[[int], bool] = lambda pid: True,  # whether a pid runs: kept verdicts are for live jobs
-        started: Callable[[int], "float | None"] = lambda pid: None,  # when a pid started (monotonic)
     ):
         self.admins = admins  # uids that see and evict every uid's groups
         self._timers = Timers()
@@ -57,7 +56,7 @@ class Registry:
         self._sets = Rendezvous(allocate, free, handed, self._timers, self._quotas, self._waits, pages, ready,
                                 left=lambda *member: self._agreements.rank_left(*member),
                                 back=lambda *member: self._agreements.rank_back(*member), footprint=footprint,
-                                alive=alive, started=started)
+                                alive=alive)
         self._agreements = Agreements(self._timers, self._quotas, self._sets.index, self._waits)
 
     def configure(self, limits: Limits, rendezvous_timeout: float, agreement_timeout: float) -> None:

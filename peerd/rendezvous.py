@@ -62,14 +62,17 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 #     failure came with no time: a commit timeout, an eviction), so a rank
 #     still coming within its own timeout hears it, and the key is free again
 #     after that. Such a set does not count against --max-groups;
-#   - a join by a process that started after the set failed, when every
-#     participant of the set has exited (each process that joined it, was
-#     refused by it, withdrew or heard it), is a job's relaunch knocking, not
-#     a late rank of it: the verdict is forgotten and the join starts a new
-#     rendezvous. Told the old launch's error (naming its dead pids, a typo
-#     the relaunch fixed), one rank of a relaunch failed at once while its
-#     peers waited out a rendezvous of their own. A late rank of the launch
-#     started with it, before the failure, and still hears the verdict.
+#   - a kept verdict whose every participant has exited (each process that
+#     joined it, was refused by it, withdrew or heard it) is a job's
+#     relaunch knocking, not a late rank of it: the verdict is forgotten and
+#     the join starts a new rendezvous. Told the old launch's error (naming
+#     its dead pids, a typo the relaunch fixed), one rank of a relaunch
+#     failed at once while its peers waited out a rendezvous of their own.
+#     A late rank of a job whose other processes all exited (a crash the
+#     launcher did not end it with) waits out its rendezvous instead. Whether
+#     a pid runs is asked with kill(pid, 0), which no /proc restriction
+#     (the unit's ProtectProc=invisible) hides; a pid the kernel could not
+#     name in the daemon's pid namespace (0) counts as running.
 
 
 #: what a process refused a rank it still holds can do
@@ -96,15 +99,13 @@ class Rendezvous:
                  pages: NoPages | Pages = NoPages(), ready: Ready = lambda allocation: True,
                  left: Left = lambda uid, group, rank, pid, reason: [],
                  back: Back = lambda uid, group, rank, pid, opened: None,
-                 footprint: Footprint = lambda nbytes: nbytes, alive: Callable[[int], bool] = lambda pid: True,
-                 started: Callable[[int], "float | None"] = lambda pid: None):
+                 footprint: Footprint = lambda nbytes: nbytes, alive: Callable[[int], bool] = lambda pid: True):
         self.pages = pages  # the control pages: placed as a set opens, told as a member leaves, a set fails or is freed
         self._left, self._back = left, back  # the group's agreement, told as a member leaves it and comes back
         self._allocate = allocate
         self._footprint = footprint  # what the quotas check: the size the allocation will have, not the asked one
         self._ready = ready
         self._alive = alive  # whether a pid (as the kernel reported it; 0: not visible here) still runs
-        self._started = started  # when a pid started (monotonic), None where unknown
         self._unready: Index[bytes, int, BufferSet] = Index()  # chunk handle -> the sets every rank joined
         # that wait for memory there: a chunk's readiness asks those alone
         self._free = free
@@ -142,11 +143,10 @@ class Rendezvous:
         if refused:
             return None, [refused]
         if bset is not None and bset.state is State.FAILED and not bset.holding_slots():
-            if self._owed_verdict(bset, who.pid):
+            if self._owed_verdict(bset):
                 return None, [self._tell_failure(bset, rank, who.pid, caller)]
-            log.info("%s: a join by pid %d, started after the set failed and every process of it exited: a "
-                     "relaunch, so the set's verdict (%s) is forgotten and a new rendezvous starts", bset.label,
-                     who.pid, bset.failure.message)
+            log.info("%s: a join by pid %d after every process of the failed set exited: a relaunch, so the set's "
+                     "verdict (%s) is forgotten and a new rendezvous starts", bset.label, who.pid, bset.failure.message)
             self._forget(bset)
             bset = None
         if bset is not None and bset.state is not State.JOINING:
@@ -268,14 +268,10 @@ class Rendezvous:
                 return _still_held(caller, bset, held, CLOSE_FIRST)
         return None
 
-    def _owed_verdict(self, bset: BufferSet, pid: int) -> bool:
-        """Whether process ``pid`` joining failed set ``bset`` is a late rank of its launch, owed the verdict: a
-        process of the set still runs, or ``pid`` started before the set failed. See Note [Failure verdicts are
-        kept]."""
-        if any(p <= 0 or self._alive(p) for p in bset.participants()):
-            return True
-        started = self._started(pid)
-        return started is None or started <= bset.failed_at
+    def _owed_verdict(self, bset: BufferSet) -> bool:
+        """Whether failed set ``bset`` keeps its verdict for a joiner: a process of it still runs (a late rank
+        of its job), else the join is a relaunch's. See Note [Failure verdicts are kept]."""
+        return any(pid <= 0 or self._alive(pid) for pid in bset.participants())
 
     def _tell_failure(self, bset: BufferSet, rank: int, pid: int, caller: Caller) -> Send:
         """A late rank hears a kept verdict. See Note [Failure verdicts are kept]."""
@@ -368,7 +364,6 @@ class Rendezvous:
         """Fail a set for every rank waiting on it (and ``extra`` callers). See Note [Failure verdicts are kept]."""
         error = ProtocolError(code, message)
         log.warning("%s failed: %s", bset.label, message)
-        bset.failed_at = now if now is not None else bset.created  # as for the forget timer below
         self._unwait(bset)
         out = [Send(c, error=error) for c in extra]
         if bset.state is State.JOINING:

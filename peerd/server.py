@@ -49,7 +49,7 @@ from .protocol import (MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error
 from .settings import Loader, Settings
 from .tally import Tally
 from .credentials import Credentials
-from .trust import NotASocket, credentials, pid_alive, pid_started
+from .trust import NotASocket, credentials, pid_alive
 
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
 TICK_S = 1.0
@@ -127,7 +127,7 @@ class Daemon:
         self.registry = Registry(
             self._allocate, backend.free, settings.rendezvous_timeout, settings.agreement_timeout, settings.limits,
             admins=self._admins, handed=backend.handed, pages=self.pages, ready=self._ready,
-            footprint=backend.footprint, alive=pid_alive, started=pid_started,
+            footprint=backend.footprint, alive=pid_alive,
         )
         self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
         self.allowlist = Allowlist.build(

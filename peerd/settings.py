@@ -275,7 +275,8 @@ def _convert(option: Option, raw: Any, source: str) -> Any:
     try:
         values = tuple(_param_type(option).convert(item, None, None) for item in items)
     except click.BadParameter as err:
-        raise ConfigError(f"{source}: bad value for {option.name}: {err.message}") from None
+        listing = " (a list's items are apart by commas)" if option.multiple and source.startswith("environment") else ""
+        raise ConfigError(f"{source}: bad value for {option.name}: {err.message}{listing}") from None
     return values if option.multiple else values[0]
 
 
@@ -342,9 +343,9 @@ class Loader:
 
 
 def _listed(env: str) -> list[str]:
-    """A repeatable option's environment value: items apart by commas or whitespace, as shells and
-    click write lists (no uid or group name holds either)."""
-    return [item for item in re.split(r"[\s,]+", env) if item]
+    """A repeatable option's environment value: items apart by commas (a group name may hold a space:
+    "domain users")."""
+    return [item.strip() for item in env.split(",") if item.strip()]
 
 
 def _read_config(path: str) -> str:

@@ -27,7 +27,6 @@ import pwd
 import socket
 import stat
 import struct
-import time
 from collections.abc import Collection
 
 import zmq
@@ -74,18 +73,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def pid_started(pid: int) -> float | None:
-    """When process ``pid`` started, on the monotonic clock (to within a clock tick); None where /proc
-    does not show it."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime: ticks since boot
-    except (OSError, IndexError, ValueError):
-        return None
-    since_boot = ticks / os.sysconf("SC_CLK_TCK")
-    return time.monotonic() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
 
 
 #: SO_PEERPIDFD (Linux 6.5), which Python's socket module does not name yet

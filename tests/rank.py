@@ -58,13 +58,9 @@ def agree(args) -> dict:
 
 
 def join(args) -> dict:
-    """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin); with
-    --join-on-line, only once a line came on stdin (a late rank of a job started with it)."""
+    """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin)."""
     from peerd_client import PeerBuffer
 
-    if args.join_on_line:
-        print("READY", flush=True)
-        sys.stdin.readline()
     with PeerBuffer(args.nbytes, args.group, args.rank, args.npes, args.device, name=args.name,
                     timeout=args.timeout, flags=args.flags) as buf:
         if args.hold < 0:
@@ -1059,7 +1055,7 @@ def main() -> None:
     parser.add_argument("--votes", default="1")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--hold", type=float, default=0.0)
-    parser.add_argument("--join-on-line", action="store_true")
+    parser.add_argument("--linger", action="store_true", help="after the result, live on until a line on stdin")
     parser.add_argument("--flags", type=int, default=0)
     parser.add_argument("--device", default=None, help="torch device of the buffer (default: the worker's)")
     parser.add_argument("--store", default="")
@@ -1075,6 +1071,8 @@ def main() -> None:
     except Exception as err:
         out = {"ok": False, "type": type(err).__name__, "code": getattr(err, "code", None), "message": str(err)}
     print(json.dumps(out), flush=True)
+    if args.linger:
+        sys.stdin.readline()
     sys.exit(0)
 
 

@@ -276,7 +276,6 @@ class Mapper(MapperBase):
 
     def __init__(self) -> None:
         self._rt = _load()
-        self._opened_on: dict[int, int] = {}  # address -> the device whose context opened it
 
     def device_identity(self, index: int | None) -> str:
         cudart = self._rt
@@ -293,24 +292,13 @@ class Mapper(MapperBase):
         cudart = self._rt
         ipc = cudart.cudaIpcMemHandle_t()
         ctypes.memmove(ipc.getPtr(), handle, HANDLE_BYTES)
-        pointer = int(_check(
+        pointer = _check(
             cudart,
             cudart.cudaIpcOpenMemHandle(ipc, cudart.cudaIpcMemLazyEnablePeerAccess),
             "cudaIpcOpenMemHandle",
-        ))
-        self._opened_on[pointer] = _check(cudart, cudart.cudaGetDevice(), "cudaGetDevice")
-        return pointer
+        )
+        return int(pointer)
 
     def close(self, address: int, size: int) -> None:
-        """Undo open() in the context of the device that opened it, as PyTorch's IPC deleter does: the
-        caller may be any thread (a finalizer, the client's retry thread), current on another GPU."""
         cudart = self._rt
-        opened_on = self._opened_on.pop(address)
-        current = _check(cudart, cudart.cudaGetDevice(), "cudaGetDevice")
-        if current != opened_on:
-            _check(cudart, cudart.cudaSetDevice(opened_on), f"cudaSetDevice({opened_on})")
-        try:
-            _check(cudart, cudart.cudaIpcCloseMemHandle(address), f"cudaIpcCloseMemHandle({address:#x})")
-        finally:
-            if current != opened_on:
-                _check(cudart, cudart.cudaSetDevice(current), f"cudaSetDevice({current})")
+        _check(cudart, cudart.cudaIpcCloseMemHandle(address), f"cudaIpcCloseMemHandle({address:#x})")

@@ -199,7 +199,6 @@ class Mapper(MapperBase):
 
     def __init__(self) -> None:
         self._hip = _Hip()
-        self._opened_on: dict[int, int] = {}  # address -> the device that opened it
 
     def device_identity(self, index: int | None) -> str:
         hip = self._hip.rt
@@ -212,22 +211,10 @@ class Mapper(MapperBase):
             raise ValueError(f"a HIP IPC handle is {HANDLE_BYTES} bytes, not {len(handle)}")
         hip = self._hip.rt
         # hip-python accepts any buffer where a struct is passed by value: it copies the 64 bytes.
-        pointer = int(_check(
+        pointer = _check(
             hip.hipIpcOpenMemHandle(bytearray(handle), hip.hipIpcMemLazyEnablePeerAccess), "hipIpcOpenMemHandle"
-        ))
-        self._opened_on[pointer] = _check(hip.hipGetDevice(), "hipGetDevice")
-        return pointer
+        )
+        return int(pointer)
 
     def close(self, address: int, size: int) -> None:
-        """Undo open() on the device that opened it, as PyTorch's IPC deleter does: the caller may be
-        any thread (a finalizer, the client's retry thread), current on another GPU."""
-        hip = self._hip.rt
-        opened_on = self._opened_on.pop(address)
-        current = _check(hip.hipGetDevice(), "hipGetDevice")
-        if current != opened_on:
-            _check(hip.hipSetDevice(opened_on), f"hipSetDevice({opened_on})")
-        try:
-            _check(hip.hipIpcCloseMemHandle(address), f"hipIpcCloseMemHandle({address:#x})")
-        finally:
-            if current != opened_on:
-                _check(hip.hipSetDevice(current), f"hipSetDevice({current})")
+        _check(self._hip.rt.hipIpcCloseMemHandle(address), f"hipIpcCloseMemHandle({address:#x})")

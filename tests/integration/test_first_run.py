@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -41,18 +42,16 @@ def test_a_drain_says_how_to_stop_at_once_and_names_who_still_held_memory(socket
 
 def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_at_once(daemon):
     """Asking for a CUDA buffer where CUDA is unusable: a MonoUnsupported, and no peer waits out its timeout."""
-    late = start_rank(daemon, "join", 2, 3, "--group", "nocuda", "--join-on-line", stdin=subprocess.PIPE)
-    assert late.stdout.readline().strip() == "READY"  # started with the job, it joins after the others ended
-    waiting = start_rank(daemon, "join", 1, 3, "--group", "nocuda", "--timeout", "600")
+    waiting = start_rank(daemon, "join", 1, 3, "--group", "nocuda", "--timeout", "600", "--linger",
+                         stdin=subprocess.PIPE)  # it lives on after the failure, as a worker that falls back does
     wait_until(lambda: "group=nocuda name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
     (missing,) = run_ranks(daemon, "join", 3, "--group", "nocuda", "--device", "cuda:0", ranks=[0])
     assert missing["type"] == "MonoUnsupported" and missing["code"] == "BACKEND_UNAVAILABLE", missing
-    peer = finish(waiting)
+    peer = json.loads(waiting.stdout.readline())
     assert peer["code"] == "GROUP_FAILED" and "rank 0" in peer["message"] and "cannot take part" in peer["message"]
-    late.stdin.write("go\n")  # a peer still to come learns it too
-    late.stdin.flush()
-    late = finish(late)
+    (late,) = run_ranks(daemon, "join", 3, "--group", "nocuda", ranks=[2])  # a peer still to come learns it too
     assert late["code"] == "GROUP_FAILED" and "cannot take part" in late["message"], late
+    waiting.communicate("go\n", timeout=60)
 
 
 def test_a_size_past_the_limit_names_the_daemons_limit_in_human_units(daemon):

@@ -24,5 +24,5 @@ def test_integers_of_any_kind_count_and_other_values_are_left_for_the_protocols_
     torch = pytest.importorskip("torch")
     assert resolve("numpy-key", np.int64(1), np.int32(2), 1) == Membership("numpy-key", 1, 2)
     assert type(resolve("torch-key", torch.tensor(0), 2, 1).rank) is int
-    for other in (1.0, True, "1", torch.tensor(1.5)):  # the join's check refuses them (BAD_REQUEST, naming the field)
+    for other in (1.0, True, "1", torch.tensor(1.5), torch.tensor(True)):  # the join's check refuses them (BAD_REQUEST, naming the field)
         assert resolve("k", other, 2, 1).rank is other
