@@ -324,10 +324,12 @@ class Daemon:
             self._wake_r.close()
             self._wake_w.close()
         finally:  # whatever failed above: no socket is left for clients to wait on, the lock goes
-            self._fd_channel.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
-            self._lock.release()
+            try:
+                self._fd_channel.close()
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+                self._lock.release()
         log.info("stopped")
 
     # ------------------------------------------------------------ the loop

@@ -120,3 +120,34 @@ def test_a_child_forked_during_a_flush_can_flush_its_own():
     holder.join()
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_new_daemon_run_with_its_predecessors_pid_retires_only_the_old_runs_chunks(monkeypatch):
+    """A daemon restarted in its own pid namespace (PID 1 in a container) has its predecessor's pid: the
+    chunks are keyed, and retired, by run (pid, instance), so the new run's chunks are not the old one's."""
+    from peerd_client import connection as module
+
+    runs = iter([(1, 0xA), (1, 0xB)])
+    retired = []
+
+    class FakeConnection:
+        def __init__(self, path):
+            self.run = next(runs)
+            self.hello = {"pid": self.run[0], "instance": self.run[1]}
+            self._lost = None
+
+        def notice_loss(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(module, "Connection", FakeConnection)
+    monkeypatch.setattr(module.mappings, "retire", retired.append)
+    monkeypatch.setattr(module, "_connection", None)
+    monkeypatch.setattr(module, "_daemon_run", None)
+    first = module.connection()
+    assert retired == [] and module.connection() is first, "the same run: nothing to retire"
+    first._lost = "the daemon restarted"
+    module.connection()
+    assert retired == [(1, 0xA)], "the old run's chunks alone, though the pid is the same"
