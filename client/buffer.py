@@ -136,14 +136,19 @@ class PeerBuffer:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             chunks = [(conn.run, handle) for handle in joined["handles"]]
-            if self._mapper.passes_fds and not all(mappings.mapped(key) for key in chunks):
+            claimed = self._mapper.passes_fds and mappings.claim(chunks)  # Note [Given-back host chunks]
+            if self._mapper.passes_fds and not claimed:
                 fds = _member_fds(conn, self._held(), joined["handles"])
             # answered while the chunks open; after the fds above, so a rank leaves one reply unread at a time
             self._link.ask(conn, self._held(), joined.get("page"))
-            for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
-                whole = offset == 0 and joined["sizes"][n] == span
-                pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)
-                self._chunks.append(key)
+            if claimed:
+                self._chunks = chunks
+                pointers = [mappings.address(key) + offset for key, offset in zip(chunks, joined["offsets"])]
+            else:
+                for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
+                    whole = offset == 0 and joined["sizes"][n] == span
+                    pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)
+                    self._chunks.append(key)
             self._handles = joined["handles"]
         except Exception as err:  # every rank must still reach the agreement
             failure = err

@@ -20,6 +20,19 @@ that lets the daemon free it; so is every chunk of a daemon run that ended
 (``retire``): no buffer will be in it again, and its mapping alone kept the
 dead daemon's memory for the worker's whole life, more at every restart.
 A forked child inherits none of it: its driver state is not its parent's.
+
+Note [Given-back host chunks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The host backend gives an idle chunk back under live mappings (its pages
+are punched first: no memory stays), and no worker hears of it. A worker
+that kept every such chunk mapped grew by a chunk of address space and a
+mapping per idle cycle for its whole life. So a chunk the host backend
+passes as an fd stays mapped only until this process maps another one
+while no buffer of it uses the first; a set whose chunks are all still
+mapped claims them (``claim``) and fetches no fd, and one that finds any
+missing fetches every fd of the set, so a chunk let go meanwhile by another
+thread is mapped again from its fd. GPU chunks are never given back under
+a mapping (the daemon waits for their mappers), so theirs stay.
 """
 
 from __future__ import annotations
@@ -52,15 +65,29 @@ class MappingCache:
         self._lock = threading.RLock()
         self._open: dict[ChunkKey, _Mapping] = {}
 
-    def mapped(self, key: ChunkKey) -> bool:
-        return key in self._open
+    def claim(self, keys: list[ChunkKey]) -> bool:
+        """One more user of each of ``keys`` (a key once per buffer in it), where every one is mapped: the
+        set needs no fd then. Else nothing, and the set's buffers are opened from their fds."""
+        with self._lock:
+            if not all(key in self._open for key in keys):
+                return False
+            for key in keys:
+                self._open[key].users += 1
+            return True
+
+    def address(self, key: ChunkKey) -> int:
+        """The address of a chunk this process uses (claimed or opened)."""
+        return self._open[key].address
 
     def open(self, mapper: Mapper, key: ChunkKey, size: int, fd: int | None = None, whole: bool = False) -> int:
         """The chunk's address, mapped (from ``fd`` where the backend passes fds) on first use; ``whole``:
-        the buffer is the whole chunk."""
+        the buffer is the whole chunk. A new chunk from fds first unmaps the fd-passed chunks no buffer of
+        this process uses: see Note [Given-back host chunks]."""
         with self._lock:
             mapping = self._open.get(key)
             if mapping is None:
+                if mapper.passes_fds:
+                    self._unmap([k for k, m in self._open.items() if m.users == 0 and m.mapper.passes_fds])
                 mapping = self._open[key] = _Mapping(mapper.open(key[1], size, fd), size, mapper, 0, whole)
             mapping.users += 1
             return mapping.address

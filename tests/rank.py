@@ -215,6 +215,19 @@ def cache(args) -> dict:
             "mapped_after_close": len(mappings)}
 
 
+def given_back(args) -> dict:
+    """Build and close a one-rank buffer five times on a daemon that gives each emptied chunk back at once:
+    how many chunks this process maps then, and how many host chunks its address space holds."""
+    from peerd_client import PeerBuffer
+    from peerd_client.mappings import mappings
+
+    for i in range(5):
+        PeerBuffer(args.nbytes, args.group, 0, 1, name=f"cycle-{i}").close()
+    with open("/proc/self/maps") as maps:
+        chunks = sum("/memfd:peerd " in line for line in maps)  # the host backend's chunks (peerd.backends.host)
+    return {"mapped": len(mappings), "chunk_mappings": chunks}
+
+
 def stale_release(args) -> dict:
     """A release of this rank's first set delivered again (a retry after a timeout, a restarted daemon)
     while it holds the next set of the same key: it must end nothing, and the new set's memory stays."""
@@ -987,6 +1000,7 @@ def signals(args) -> dict:
 
 SCENARIOS = {
     "numpy_sizes": numpy_sizes,
+    "given_back": given_back,
     "kept": kept,
     "outlived": outlived,
     "close_race": close_race,

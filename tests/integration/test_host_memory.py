@@ -377,3 +377,10 @@ def test_a_daemon_that_stops_leaves_the_memory_of_live_workers_as_it_is(socket_d
     rank.stdin.write("\n")
     rank.stdin.flush()
     assert finish(rank, 30).get("kept") is True
+
+
+def test_a_worker_lets_go_of_the_host_chunks_the_daemon_gave_back(daemon):
+    """The test daemon gives an emptied chunk back at once, under the worker's mapping (its pages punched):
+    the worker kept every one mapped, a chunk of address space and a mapping more per cycle, for life."""
+    (result,) = run_ranks(daemon, "given_back", 1, "--group", "cycles")
+    assert result["ok"] and result["mapped"] == 1 and result["chunk_mappings"] == 1, result
