@@ -137,12 +137,13 @@ class PeerBuffer:
                 torch.cuda.set_device(self.device)  # handles open in the current device's context
             chunks = [(conn.run, handle) for handle in joined["handles"]]
             claimed = self._mapper.passes_fds and mappings.claim(chunks)  # Note [Given-back host chunks]
-            if self._mapper.passes_fds and not claimed:
+            if claimed:
+                self._chunks = chunks  # the uses claimed, which close() gives back whatever comes next
+            elif self._mapper.passes_fds:
                 fds = _member_fds(conn, self._held(), joined["handles"])
             # answered while the chunks open; after the fds above, so a rank leaves one reply unread at a time
             self._link.ask(conn, self._held(), joined.get("page"))
             if claimed:
-                self._chunks = chunks
                 pointers = [mappings.address(key) + offset for key, offset in zip(chunks, joined["offsets"])]
             else:
                 for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
