@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 
 from peerd.backends import mapper as backend_mapper
@@ -77,6 +78,7 @@ class PeerBuffer:
         require_torch()  # before any call to the daemon: without torch, nothing is asked of it
         finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
         self._pid = os.getpid()
+        self._taking = threading.Lock()  # what a close takes to give back, taken once
         self._handles: list[bytes] = []
         self._chunks: list[ChunkKey] = []
         self._link: GroupLink | None = None
@@ -342,17 +344,18 @@ class PeerBuffer:
             return  # a forked child holds nothing of its parent's
         self._bytes = self._addresses = self._addresses_copied = None
         self._local, self._pointers = 0, []
-        chunks, self._chunks, self._handles = self._chunks, [], []
-        link, self._link = self._link, None
+        with self._taking:  # two threads closing it at once: one of them gives back its chunks' uses
+            chunks, self._chunks, self._handles = self._chunks, [], []
+            link, self._link = self._link, None
+            released, self._released = self._released, True  # what is still owed is the teardown's: done once
         if link is not None:
             try:
                 close_link(self.group_key, link)
             except Exception as err:
                 log.warning("closing the control page of group=%s failed: %s", self.group_key, err)
-        if self._released and not chunks:
+        if released and not chunks:
             return  # nothing held, nothing mapped (a construction that failed early, or a second close)
-        slot = None if self._released else self._held()
-        self._released = True  # what is still owed is the teardown's: done once, by it
+        slot = None if released else self._held()
         label = f"group={self.group_key} name={self.name} rank {self.rank}"
         Teardown(self.device, chunks, self._conn, slot, label).run(wait, collected)
 
