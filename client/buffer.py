@@ -141,13 +141,12 @@ class PeerBuffer:
             claimed = self._mapper.passes_fds and mappings.claim(chunks)  # Note [Given-back host chunks]
             if claimed:
                 self._chunks = chunks  # the uses claimed, which close() gives back whatever comes next
+                pointers = [mappings.address(key) + offset for key, offset in zip(chunks, joined["offsets"])]
             elif self._mapper.passes_fds:
                 fds = _member_fds(conn, self._held(), joined["handles"])
             # answered while the chunks open; after the fds above, so a rank leaves one reply unread at a time
             self._link.ask(conn, self._held(), joined.get("page"))
-            if claimed:
-                pointers = [mappings.address(key) + offset for key, offset in zip(chunks, joined["offsets"])]
-            else:
+            if not claimed:
                 for n, (key, offset, span) in enumerate(zip(chunks, joined["offsets"], joined["chunk_sizes"])):
                     whole = offset == 0 and joined["sizes"][n] == span
                     pointers.append(mappings.open(self._mapper, key, span, fds[n] if fds else None, whole) + offset)

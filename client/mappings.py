@@ -16,9 +16,10 @@ setup is then pointer arithmetic); the daemon frees such a chunk only once
 every process it was handed to has exited (peerd.arena: Note [No free
 under a mapping]). A host chunk stays only until the process maps another
 (Note [Given-back host chunks]): a view of a closed buffer may then point
-at nothing, as PeerBuffer.close() says it must not be used. A buffer that is its whole chunk (a dedicated chunk) is
-unmapped as soon as no buffer of this process uses it, before the release
-that lets the daemon free it; so is every chunk of a daemon run that ended
+at nothing, as PeerBuffer.close() says it must not be used. A buffer that
+is its whole chunk (a dedicated chunk) is unmapped as soon as no buffer of
+this process uses it, before the release that lets the daemon free it; so
+is every chunk of a daemon run that ended
 (``retire``): no buffer will be in it again, and its mapping alone kept the
 dead daemon's memory for the worker's whole life, more at every restart.
 A forked child inherits none of it: its driver state is not its parent's.

@@ -11,6 +11,11 @@ from .protocol import ErrorCode, ProtocolError
 from .credentials import Credentials
 
 
+def admins_of(daemon_uid: int) -> frozenset[int]:
+    """Who may call the admin-only ops of a daemon running as ``daemon_uid``: root and that uid."""
+    return frozenset({0, daemon_uid})
+
+
 def forbidden(who: Credentials) -> ProtocolError:
     """The refusal of a caller outside the allowlist."""
     return ProtocolError(

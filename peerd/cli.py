@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import click
 
 from . import __version__
+from .admission import admins_of
 from .arena import describe_usage
 from .escape import EscapingFormatter, escape
 from .logbudget import log_budget
@@ -305,7 +306,7 @@ def evict(socket_path: str, group: str, name: str | None, uid: int | None, yes: 
     """
     conn = _connect(socket_path)
     try:
-        if os.geteuid() not in (0, conn.daemon_uid):  # the daemon refuses it (FORBIDDEN): say so before any warning
+        if os.geteuid() not in admins_of(conn.daemon_uid):  # the daemon's own rule: say so before any warning
             click.echo(f"peerd: evict refused: only root or the daemon's user (uid {conn.daemon_uid}) may evict; "
                        f"uid {os.geteuid()} may not", err=True)
             sys.exit(1)

@@ -23,7 +23,7 @@ import msgpack
 import zmq
 
 from . import __version__, report
-from .admission import admit, forbidden
+from .admission import admins_of, admit, forbidden
 from .access import Allowlist, GroupSource, connection_groups, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
@@ -120,7 +120,7 @@ class Daemon:
         self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
         self.backend = backend
-        self._admins = frozenset({0, os.geteuid()})  # who may call the admin-only ops
+        self._admins = admins_of(os.geteuid())  # who may call the admin-only ops
         self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
         backend.share_fd_room(self._fd_room)
         self.pages = Pages(settings.control_pages, self._fd_room)  # a control page per live set, in per-uid areas
