@@ -70,7 +70,7 @@ def serve(settings: Settings) -> None:
     try:
         settings = replace(settings, socket=check_socket_path(settings.socket))
         loader = click.get_current_context().meta["peerd.loader"]
-        Daemon(settings, memory_backend(settings.backend, settings.arena), loader).serve()
+        Daemon(settings, lambda: memory_backend(settings.backend, settings.arena), loader).serve()
     except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError, RuntimeError) as err:
         raise click.ClickException(str(err)) from None
 

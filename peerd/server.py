@@ -24,7 +24,7 @@ import zmq
 
 from . import __version__, report
 from .admission import admins_of, admit, forbidden
-from .access import Allowlist, GroupSource, connection_groups, prepare_socket_dir, remove_stale_socket, resolve_group, secure_socket
+from .access import Allowlist, GroupSource, connection_groups, resolve_group, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
@@ -38,18 +38,18 @@ from .registry import Registry
 from .reloader import Reloader
 from .routingids import MIN_ID_BYTES, self_named, unpredictable_made_up_ids
 from .liveness import POLL_INTERVAL, PidWatcher
-from .lockfile import SocketLock
 from .logbudget import log_budget
 from .metrics import Metrics
 from .notify import Notifier
-from .paths import endpoint, fd_socket_path, lock_path
+from .paths import endpoint, fd_socket_path
 from .ops import OPS, Op, decode_request
 from .protocol import (MAX_REQUEST_BYTES, ErrorCode, ProtocolError, encode_error, encode_packed_reply, pack_body,
                        request_id_of)
 from .settings import Loader, Settings
+from .socketclaim import SocketClaim
 from .tally import Tally
 from .credentials import Credentials
-from .trust import NotASocket, credentials, pid_alive
+from .trust import credentials, pid_alive
 
 #: seconds between STATUS= refreshes (and at most between watchdog pings)
 TICK_S = 1.0
@@ -115,11 +115,21 @@ def unseen(op: str) -> str:
 
 
 class Daemon:
-    def __init__(self, settings: Settings, backend: MemoryBackend, loader: Loader | None = None):
+    def __init__(self, settings: Settings, open_backend: Callable[[], MemoryBackend], loader: Loader | None = None):
+        """Every check that can refuse to start comes before ``open_backend``: peerd.socketclaim."""
         self.settings = settings
         self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
-        self.backend = backend
+        self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
+        self.allowlist = Allowlist.build(
+            settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
+        )
+        self._claim = SocketClaim(self.socket_path, settings.socket_dir_mode, self.socket_gid)
+        try:
+            self.backend = backend = open_backend()
+        except BaseException:
+            self._claim.release()
+            raise
         self._admins = admins_of(os.geteuid())  # who may call the admin-only ops
         self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
         backend.share_fd_room(self._fd_room)
@@ -129,12 +139,7 @@ class Daemon:
             admins=self._admins, handed=backend.handed, pages=self.pages, ready=self._ready,
             footprint=backend.footprint, alive=pid_alive,
         )
-        self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
-        self.allowlist = Allowlist.build(
-            settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
-        )
         self.started = time.monotonic()
-        self._lock = SocketLock(lock_path(self.socket_path))
         self._watcher = PidWatcher(settings.max_processes_per_uid, self._fd_room)
         self._stopping = False
         self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
@@ -158,15 +163,7 @@ class Daemon:
     # ------------------------------------------------------------ lifecycle
 
     def bind(self) -> None:
-        """Take the lock, then the socket: refuse rather than steal a live daemon's."""
-        prepare_socket_dir(os.path.dirname(self.socket_path), self.settings.socket_dir_mode, self.socket_gid)
-        self._lock.acquire()
-        try:
-            remove_stale_socket(self.socket_path)
-            remove_stale_socket(fd_socket_path(self.socket_path))
-        except NotASocket:
-            self._lock.release()
-            raise
+        """Bind the claimed socket and the fd channel beside it, then announce readiness."""
         self._fd_limit = raise_fd_limit()
         self._fit_to_fd_limit()
         self._ctx = zmq.Context()
@@ -329,7 +326,7 @@ class Daemon:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
-                self._lock.release()
+                self._claim.release()
         log.info("stopped")
 
     # ------------------------------------------------------------ the loop

@@ -92,3 +92,20 @@ def test_a_socket_location_the_daemon_cannot_use_is_named_with_what_to_do(socket
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and says in done.stderr and "[Errno" not in done.stderr, (args, done.stderr)
     assert sorted(os.listdir(socket_dir)) == ["p.sock.lock", "peerd.toml"], "nothing served, nothing made"
+
+
+def test_a_daemon_that_cannot_have_its_socket_is_refused_before_its_backend_starts(daemon, socket_dir):
+    """The cuda backend starts a context on every GPU first (about 1 s and 260 MiB each), and where CUDA is
+    missing its error hid the one that mattered: a daemon already serving that socket, or an unsafe directory."""
+    open_to_all = Path(socket_dir) / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    cases = [
+        (daemon.socket, f"another peerd (pid {daemon.proc.pid}) already serves this socket"),
+        (str(open_to_all / "p.sock"), f"socket directory {open_to_all} (mode 0777) is writable by other users"),
+    ]
+    for path, says in cases:
+        done = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "cuda", "--socket", path],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and says in done.stderr and "cuda" not in done.stderr, (path, done.stderr)
+    assert daemon.cli("status").returncode == 0

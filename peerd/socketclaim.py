@@ -1,0 +1,41 @@
+"""The daemon's claim on its socket path, staked before its backend starts.
+
+A second ``peerd serve`` on a socket a live daemon serves, or one whose
+socket directory is unsafe, must fail before it costs anything: the cuda
+backend starts a context on every GPU it serves (about 1 s and 260 MiB of
+device memory each), and its own errors (no CUDA here) would hide the one
+that matters. So the directory is checked (or made), the lock taken and
+stale sockets removed first; the daemon binds once its backend is up.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .access import prepare_socket_dir, remove_stale_socket
+from .lockfile import SocketLock
+from .paths import fd_socket_path, lock_path
+from .trust import NotASocket
+
+
+class SocketClaim:
+    """The socket's directory made safe, its lock held, what a gone daemon left there removed.
+
+    Raises UnsafeSocketDirectory, UnsafeLockFile, AlreadyRunning or
+    NotASocket, holding nothing then.
+    """
+
+    def __init__(self, path: str, dir_mode: int, gid: int | None):
+        prepare_socket_dir(os.path.dirname(path), dir_mode, gid)
+        self._lock = SocketLock(lock_path(path))
+        self._lock.acquire()
+        try:
+            remove_stale_socket(path)
+            remove_stale_socket(fd_socket_path(path))
+        except NotASocket:
+            self._lock.release()
+            raise
+
+    def release(self) -> None:
+        """Let go of the lock (its file removed first: peerd.lockfile); idempotent."""
+        self._lock.release()
