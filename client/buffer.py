@@ -56,7 +56,8 @@ class PeerBuffer:
 
     ``PeerBuffer(nbytes, group, rank, npes, device)`` takes a string key;
     ``PeerBuffer(nbytes, process_group)`` takes rank and npes from a torch
-    ProcessGroup. ``name`` tells apart several buffer sets of one group.
+    ProcessGroup; a ``group`` of None is a single rank (TP=1), as in the
+    seeds. ``name`` tells apart several buffer sets of one group.
     """
 
     def __init__(
@@ -72,8 +73,6 @@ class PeerBuffer:
         timeout: float | None = None,
     ):
         nbytes = integral(nbytes)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         checked_timeout("PeerBuffer", timeout)
         require_torch()  # before any call to the daemon: without torch, nothing is asked of it
         finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
@@ -93,7 +92,7 @@ class PeerBuffer:
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
         where = f"group={member.key} name={name} rank {member.rank}"
-        device_identity = self._take_part(conn, member, device, where)
+        device_identity = self._take_part(conn, member, nbytes, device, where)
 
         try:
             joined = conn.call(
@@ -214,22 +213,26 @@ class PeerBuffer:
             self._addresses_copied = torch.cuda.Event()
             self._addresses_copied.record(torch.cuda.current_stream(self.device))
 
-    def _take_part(self, conn, member: Membership, device, where: str) -> str:
+    def _take_part(self, conn, member: Membership, nbytes: int, device, where: str) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
 
-        A rank whose device or backend is unusable here tells the daemon, so
-        its peers fail at once with the reason instead of waiting out the
+        A rank whose size, device or backend is unusable here tells the daemon,
+        so its peers fail at once with the reason instead of waiting out the
         rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE), or the
-        ValueError of a device peerd does not serve.
+        ValueError of a size or device peerd does not serve.
         """
         try:
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+                raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
             self.device = worker_device(device)
             self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
             return self._mapper.device_identity(self.device.index)
         except Exception as err:
             reason = f"{type(err).__name__}: {err}"
             try:
-                conn.call("withdraw", {**self._slot(member), "npes": member.npes, "reason": reason[:MAX_REASON_CHARS]})
+                if member.npes != 1:  # a single rank has nobody to tell
+                    conn.call("withdraw", {**self._slot(member), "npes": member.npes,
+                                           "reason": reason[:MAX_REASON_CHARS]})
             except MonoUnsupported as refused:
                 log.warning("%s: the daemon did not take the withdrawal: %s", where, refused)
             if isinstance(err, (ValueError, TypeError)):

@@ -535,6 +535,17 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _socket_to_use() -> str:
+    """The daemon's socket (peerd.paths.default_socket); one libzmq cannot use is a DaemonUnavailable that
+    names PEERD_SOCKET, where it came from: no daemon can answer there, and the engine falls back."""
+    path = default_socket()
+    try:
+        return check_socket_path(path)
+    except ValueError as err:
+        origin = "PEERD_SOCKET" if os.environ.get("PEERD_SOCKET") else "the default socket path"
+        raise DaemonUnavailable(f"{origin} names no usable socket: {err}") from None
+
+
 def connection(starting_over: bool = False) -> Connection:
     """This process's connection, opened on first use or after the daemon went away.
 
@@ -554,7 +565,7 @@ def connection(starting_over: bool = False) -> Connection:
             _connection.close()  # what was left for it waits for the new one
             _connection = None
         if _connection is None:
-            _connection = Connection(default_socket())
+            _connection = Connection(_socket_to_use())
             if _daemon_run is not None and _connection.run != _daemon_run:
                 mappings.retire(_daemon_run)
             _daemon_run = _connection.run

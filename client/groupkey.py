@@ -82,6 +82,10 @@ def integral(value):
 def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
     """The membership ``group`` names; ValueError where it cannot be known."""
     rank, npes = integral(rank), integral(npes)
+    if group is None:  # the seeds' single rank: a key of its own, which no other set shares
+        if rank not in (None, 0) or npes not in (None, 1):
+            raise ValueError(f"group None is a single rank: rank={rank}, npes={npes} name more")
+        return Membership(f"single-{uuid.uuid4().hex}", 0, 1)
     if isinstance(group, str):
         if rank is None or npes is None:
             known = _joined.get(group)
@@ -105,4 +109,5 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                 f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size})"
             )
         return Membership(_process_group_key(group, pg_rank, timeout), pg_rank, pg_size)
-    raise TypeError(f"group must be a string key or a torch ProcessGroup, not {type(group).__name__}")
+    raise TypeError(f"group must be a string key, a torch ProcessGroup or None (a single rank), "
+                    f"not {type(group).__name__}")

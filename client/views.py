@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 
+from peerd.backends import BackendUnavailable
+
 
 def require_torch():
     try:
@@ -27,6 +29,9 @@ def worker_device(device=None):
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable(f"torch sees no GPU here (torch.cuda.is_available() is False, torch "
+                                 f"{torch.__version__}), so it cannot use {device}: pass device=torch.device('cpu')")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -37,16 +42,19 @@ def backend_for(device, served: str) -> str:
 
     A GPU device takes the daemon's GPU backend (cuda or hip): the handles
     are the daemon's, so its runtime must open them, whatever torch was built
-    for. A daemon that serves no GPU (host) leaves torch's own runtime, and
-    the join then names the device the daemon does not serve.
+    for. A daemon that serves no GPU (host) has none to give: said here, with
+    what to do, rather than as whatever this process lacks to name its GPU.
     """
-    torch = require_torch()
     if device.type == "cpu":
         return "host"
     if device.type == "cuda":
-        if served in ("cuda", "hip"):
-            return served
-        return "hip" if torch.version.hip else "cuda"
+        if served == "host":
+            raise BackendUnavailable(
+                f"the daemon serves host memory (--backend host), no GPU memory for {device}: pass "
+                "device=torch.device('cpu'), or run the daemon with --backend cuda (pip install 'peerd[cuda]') "
+                "or --backend hip on this node"
+            )
+        return served
     raise ValueError(f"peerd serves cpu and cuda devices, not {device}")
 
 

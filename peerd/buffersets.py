@@ -83,6 +83,7 @@ class BufferSet:
     # verdict (its slots name those that joined): a kept verdict is for their job, not for a relaunch
     timers: list[int] = field(default_factory=list)  # its pending rendezvous or forget timers
     patience: float = 0.0  # the longest rendezvous timeout a rank asked for
+    claimed_again: dict[int, int] = field(default_factory=dict)  # rank -> the last other pid that asked for it
 
     @property
     def label(self) -> str:

@@ -76,7 +76,7 @@ SetKey = tuple["int | None", str, str]  # (owner uid, group, name)
 
 
 #: what a process refused a rank it still holds can do
-CLOSE_FIRST = "; close that PeerBuffer first, or pass another name="
+CLOSE_FIRST = "; close that PeerBuffer first, or give each buffer set of one group its own name="
 
 #: The daemon's looks at an opening set's commit round on its control page. Its ranks post only a no
 #: (a round that failed there, with the reason), so a yes is read off the page: first this soon after
@@ -86,9 +86,10 @@ COMMIT_LOOK_FIRST_S = 0.002
 COMMIT_LOOK_LONGEST_S = 1.0
 
 
-def _still_held(caller: Caller, bset: BufferSet, held: Slot, advice: str) -> Send:
-    """RANK_TAKEN: the rank this caller asks for is held in ``bset``."""
-    message = f"rank {held.rank} of {bset.label} is still held by pid {held.pid}{advice}"
+def _still_held(caller: Caller, bset: BufferSet, held: Slot, advice: str, pid: int) -> Send:
+    """RANK_TAKEN: the rank this caller (process ``pid``) asks for is held in ``bset``."""
+    holder = f"this same process (pid {pid})" if held.pid == pid else f"pid {held.pid}"
+    message = f"rank {held.rank} of {bset.label} is still held by {holder}{advice}"
     return refuse(caller, ErrorCode.RANK_TAKEN, message)
 
 
@@ -150,7 +151,7 @@ class Rendezvous:
             self._forget(bset)
             bset = None
         if bset is not None and bset.state is not State.JOINING:
-            refused = self._supersede(bset, rank, caller, CLOSE_FIRST)
+            refused = self._supersede(bset, rank, caller, CLOSE_FIRST, who.pid)
             if refused:
                 return None, [refused]
             bset = None
@@ -161,6 +162,7 @@ class Rendezvous:
             return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
         taken = bset.slots.get(rank)
         if taken is not None:  # whatever it asks, a second claim on a rank cannot be this set's: only it is refused
+            bset.claimed_again[rank] = who.pid  # the usual sign of a rank mapping bug, for the timeout to name
             message = f"rank {rank} of {bset.label} was already joined by pid {taken.pid}"
             return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         problem = bset.mismatch(req)
@@ -234,7 +236,7 @@ class Rendezvous:
         message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {req['reason']}"
         bset = self.index.current.get(key)
         if bset is not None and bset.state is not State.JOINING:
-            refused = self._supersede(bset, rank, caller, "")
+            refused = self._supersede(bset, rank, caller, "", pid)
             if refused:
                 return [refused]
             bset = None
@@ -245,12 +247,12 @@ class Rendezvous:
         bset.heard(rank, pid)
         return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
 
-    def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str) -> Send | None:
+    def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str, pid: int) -> Send | None:
         """A new rendezvous of a key whose set is past joining: refused while ``rank`` still holds the
         old set, else the old set retires. See Note [Retired sets]."""
         held = bset.slots.get(rank)
         if held is not None and held.held:
-            return _still_held(caller, bset, held, advice)
+            return _still_held(caller, bset, held, advice, pid)
         if bset.holding_slots():
             self.index.retire(bset)
         else:  # a kept verdict: the new rendezvous replaces it
@@ -265,7 +267,7 @@ class Rendezvous:
         for bset in self.index.of_group(key[0], key[1]):
             held = bset.slots.get(rank) if bset.name == key[2] and bset is not current else None
             if held is not None and held.held and held.pid == caller_pid:
-                return _still_held(caller, bset, held, CLOSE_FIRST)
+                return _still_held(caller, bset, held, CLOSE_FIRST, caller_pid)
         return None
 
     def _owed_verdict(self, bset: BufferSet) -> bool:
@@ -274,11 +276,16 @@ class Rendezvous:
         return any(pid <= 0 or self._alive(pid) for pid in bset.participants())
 
     def _tell_failure(self, bset: BufferSet, rank: int, pid: int, caller: Caller) -> Send:
-        """A late rank hears a kept verdict. See Note [Failure verdicts are kept]."""
+        """A late rank hears a kept verdict, as one: its own timeout= never ran. See Note [Failure verdicts
+        are kept]."""
         bset.heard(rank, pid)
         if len(bset.told) == bset.npes:
             self._forget(bset)
-        return Send(caller, error=bset.failure)
+        failure = bset.failure
+        advice = ("; a rank this late needs a longer timeout= on every rank (default: the daemon's "
+                  "--rendezvous-timeout)" if failure.code is ErrorCode.TIMEOUT else "")
+        message = f"{bset.label} had already failed when rank {rank} (pid {pid}) came: {failure.message}{advice}"
+        return Send(caller, error=ProtocolError(failure.code, message))
 
     def _room_refusal(self, key: SetKey) -> str | None:
         """Why the daemon may not keep one more set, of ``key``'s uid: its share, or the total."""
@@ -354,6 +361,9 @@ class Rendezvous:
         why = (f"rank(s) {missing} of {bset.npes} never joined (joined: {bset.who()})" if missing else
                f"every rank joined, but the {human(bset.nbytes)} buffers of its ranks were still being reserved or "
                "zeroed")
+        if missing and bset.claimed_again:
+            twice = ", ".join(f"rank {r} by pid {pid}" for r, pid in sorted(bset.claimed_again.items()))
+            why += f"; a rank was asked for again ({twice}): do two processes take one rank?"
         message = f"rendezvous of {bset.label} timed out after {waited:.1f}s: {why}"
         return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
 

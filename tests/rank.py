@@ -261,6 +261,17 @@ def numpy_sizes(args) -> dict:
                 "agreed": tp_agree(True, args.group)}
 
 
+def single(args) -> dict:
+    """The seeds' single rank (TP=1): group None, two buffers at once, and tp_agree of None."""
+    from peerd_client import PeerBuffer, tp_agree
+
+    with PeerBuffer(args.nbytes, None, device=args.device) as first, PeerBuffer(args.nbytes, None, 0, 1,
+                                                                                args.device) as second:
+        return {"keys": [first.group_key, second.group_key], "npes": [first.npes, second.npes],
+                "zero": bool((first.bytes == 0).all() and (second.bytes == 0).all()),
+                "apart": first.local != second.local, "agreed": tp_agree(True, None)}
+
+
 def bad_timeouts(args) -> dict:
     """tp_agree with deadlines no wait can honour, on the page (a PeerBuffer of the group) and through
     the daemon (a group of explicit rank and npes): each path's refusal code, and a good round after."""
@@ -1000,6 +1011,7 @@ def signals(args) -> dict:
 
 SCENARIOS = {
     "numpy_sizes": numpy_sizes,
+    "single": single,
     "given_back": given_back,
     "kept": kept,
     "outlived": outlived,

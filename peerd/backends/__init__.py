@@ -23,11 +23,14 @@ hip-python.
 from __future__ import annotations
 
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..sizes import human
 from .allocation import Allocation
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..fdroom import FdRoom
@@ -219,14 +222,18 @@ def _module(name: str):
 
 
 def chunk_memory(name: str) -> ChunkMemory:
-    """The daemon half of backend ``name``, or "auto": cuda, else hip, else host."""
+    """The daemon half of backend ``name``, or "auto": cuda, else hip, else host, saying why each GPU
+    backend was passed over (a GPU node without cuda-bindings would otherwise serve host memory unseen)."""
     if name != "auto":
         return _module(name).Memory()
+    passed_over = []
     for candidate in ("cuda", "hip"):
         try:
             return _module(candidate).Memory()
-        except BackendUnavailable:
-            continue
+        except BackendUnavailable as err:
+            passed_over.append(f"{candidate}: {err}")
+    log.info("--backend auto serves host memory; passed over %s (name --backend cuda or hip to stop instead)",
+             "; ".join(passed_over))
     return _module("host").Memory()
 
 

@@ -47,6 +47,8 @@ def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_a
     wait_until(lambda: "group=nocuda name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
     (missing,) = run_ranks(daemon, "join", 3, "--group", "nocuda", "--device", "cuda:0", ranks=[0])
     assert missing["type"] == "MonoUnsupported" and missing["code"] == "BACKEND_UNAVAILABLE", missing
+    assert ("torch sees no GPU here" in missing["message"]  # CPU-only torch; else the daemon's backend is named
+            or "the daemon serves host memory" in missing["message"]), missing
     peer = json.loads(waiting.stdout.readline())
     assert peer["code"] == "GROUP_FAILED" and "rank 0" in peer["message"] and "cannot take part" in peer["message"]
     (late,) = run_ranks(daemon, "join", 3, "--group", "nocuda", ranks=[2])  # a peer still to come learns it too
@@ -109,3 +111,34 @@ def test_a_daemon_that_cannot_have_its_socket_is_refused_before_its_backend_star
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and says in done.stderr and "cuda" not in done.stderr, (path, done.stderr)
     assert daemon.cli("status").returncode == 0
+
+
+def test_a_single_rank_takes_group_none_as_in_the_seeds(daemon):
+    """TP=1: the seeds take group None for a single rank; peerd raised TypeError, which no engine's
+    `except MonoUnsupported` fallback catches."""
+    (result,) = run_ranks(daemon, "single", 1, "--nbytes", "4096")
+    assert result["npes"] == [1, 1] and result["zero"] and result["apart"] and result["agreed"], result
+    assert len(set(result["keys"])) == 2 and all(k.startswith("single-") for k in result["keys"]), result
+
+
+def test_a_rank_given_a_size_no_buffer_can_have_tells_its_peers_at_once(daemon):
+    """nbytes=0 on one rank raised ValueError there alone: its peers waited out the whole rendezvous and
+    were told that rank "never joined"."""
+    waiting = start_rank(daemon, "join", 0, 2, "--group", "zero", "--timeout", "600")
+    wait_until(lambda: "group=zero name=default rank=0" in daemon.logs(), 90, "rank 0 to join")
+    (bad,) = run_ranks(daemon, "join", 2, "--group", "zero", "--nbytes", "0", ranks=[1])
+    assert bad["type"] == "ValueError" and "nbytes must be a positive int, got 0" in bad["message"], bad
+    peer = finish(waiting, 60)
+    assert peer["code"] == "GROUP_FAILED" and "rank 1" in peer["message"], peer
+    assert "cannot take part: ValueError: nbytes must be a positive int, got 0" in peer["message"], peer
+
+
+def test_a_socket_path_no_daemon_can_serve_is_a_daemon_unavailable_naming_peerd_socket(daemon):
+    """An engine falls back on MonoUnsupported: a PEERD_SOCKET libzmq cannot use raised a ValueError that
+    named neither the variable nor what to do, and took the worker down."""
+    script = ("from peerd_client import MonoUnsupported, tp_agree\n"
+              "try:\n    tp_agree(True, 'g', 0, 1)\nexcept MonoUnsupported as err:\n    print(err.code, err)\n")
+    env = {**os.environ, "PEERD_SOCKET": "@abstract"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.startswith("DAEMON_UNAVAILABLE PEERD_SOCKET names no usable socket: '@abstract' is an "
+                                  "abstract-namespace socket"), (done.stdout, done.stderr)

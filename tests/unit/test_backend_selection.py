@@ -36,10 +36,14 @@ def test_cuda_without_cuda_bindings_is_unavailable_and_says_how_to_install(no_gp
         cuda.Memory()
 
 
-def test_auto_falls_back_to_host(no_gpu_libraries):
+def test_auto_falls_back_to_host_saying_why(no_gpu_libraries, caplog):
+    """A GPU node whose daemon lacked cuda-bindings served host memory without a word on why."""
+    caplog.set_level("INFO", logger="peerd.backends")
     backend = memory_backend("auto")
     assert backend.name == "host"
     assert [d["uuid"] for d in backend.devices()] == ["host"]
+    assert "--backend auto serves host memory; passed over cuda: cuda-bindings is not importable" in caplog.text
+    assert "; hip: hip-python / libamdhip64 could not be loaded" in caplog.text, caplog.text
 
 
 def test_auto_tries_cuda_then_hip_then_host(monkeypatch):

@@ -26,3 +26,25 @@ def test_integers_of_any_kind_count_and_other_values_are_left_for_the_protocols_
     assert type(resolve("torch-key", torch.tensor(0), 2, 1).rank) is int
     for other in (1.0, True, "1", torch.tensor(1.5), torch.tensor(True)):  # the join's check refuses them (BAD_REQUEST, naming the field)
         assert resolve("k", other, 2, 1).rank is other
+
+
+def test_group_none_is_a_single_rank_of_a_key_of_its_own():
+    """The seeds' TP=1 form: group None raised TypeError, which no engine's fallback catches."""
+    first, second = resolve(None, None, None, 1), resolve(None, 0, 1, 1)
+    assert (first.rank, first.npes) == (second.rank, second.npes) == (0, 1)
+    assert first.key != second.key and first.key.startswith("single-"), (first, second)
+    for rank, npes in ((1, None), (None, 2)):
+        with pytest.raises(ValueError, match="group None is a single rank"):
+            resolve(None, rank, npes, 1)
+
+
+def test_a_gpu_device_against_a_daemon_serving_host_memory_says_so():
+    """The worker was told to install cuda-bindings, which only moved the failure to the daemon."""
+    torch = pytest.importorskip("torch")
+    from peerd.backends import BackendUnavailable
+    from peerd_client.views import backend_for
+
+    with pytest.raises(BackendUnavailable, match=r"the daemon serves host memory \(--backend host\), no GPU memory "
+                                                 r"for cuda:0: pass device=torch.device\('cpu'\)"):
+        backend_for(torch.device("cuda", 0), "host")
+    assert backend_for(torch.device("cuda", 0), "cuda") == "cuda" and backend_for(torch.device("cpu"), "cuda") == "host"

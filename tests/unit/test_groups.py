@@ -88,7 +88,8 @@ def test_a_rank_a_retired_set_still_holds_is_refused_to_the_keys_new_rendezvous(
     assert join(reg, 1) == [] and reg.sets[(None, "g", "n")] is not old, "the old set retired"
     refused = errors(join(reg, 0))[("c", 0)]
     assert refused.code is ErrorCode.RANK_TAKEN, refused
-    assert "rank 0 of group=g name=n" in refused.message and "still held by pid 100" in refused.message, refused
+    assert "rank 0 of group=g name=n" in refused.message, refused
+    assert "still held by this same process (pid 100)" in refused.message, refused
     named = {"group": "g", "name": "n", "rank": 0, "ok": True, "reason": "", "timeout": None, "page": False}
     elsewhere = errors(reg.commit(("v", 0), who(100), {**named, "set": old.id + 1000}, 0.0))[("v", 0)]
     assert elsewhere.code is ErrorCode.NOT_FOUND, "a commit naming a set answers for that set alone"
@@ -140,6 +141,19 @@ def test_mismatch_is_reported_to_every_rank_and_frees_memory(reg, mem, field, va
     late = errors(join(reg, 2, npes=3))
     assert late[("c", 2)].code is ErrorCode.MISMATCH, "a late rank hears the same verdict, not a hang"
     assert reg.sets == {}, "once every rank heard the verdict it is forgotten"
+
+
+def test_a_rank_that_comes_after_its_set_timed_out_hears_it_as_a_late_rank(reg):
+    """The late rank was told, at once, the verdict as its peers heard it: that it had itself "never
+    joined", with its own timeout= never run, and nothing on what to do."""
+    join(reg, 0, now=0.0, timeout=2.0)
+    assert errors(reg.expire(2.0))[("c", 0)].code is ErrorCode.TIMEOUT
+    late = errors(join(reg, 1, now=4.0, timeout=20.0))[("c", 1)]
+    assert late.code is ErrorCode.TIMEOUT, late
+    assert late.message.startswith("group=g name=n had already failed when rank 1 (pid 101) came: rendezvous of "
+                                   "group=g name=n timed out after 2.0s: rank(s) [1] of 2 never joined"), late
+    assert late.message.endswith("a rank this late needs a longer timeout= on every rank (default: the daemon's "
+                                 "--rendezvous-timeout)"), late
 
 
 def test_a_join_outside_the_set_does_not_count_as_one_of_its_ranks_hearing_the_verdict(reg):
@@ -313,10 +327,25 @@ def test_a_new_set_can_take_a_key_while_an_old_one_is_still_held(reg, mem):
     assert reg.retired == {} and len(mem.live) == 1
 
 
-def test_joining_a_rank_still_held_is_refused(reg):
+def test_joining_a_rank_still_held_is_refused_naming_the_holder(reg):
+    """A process's second buffer set of one group under the same name= was told its rank "is still held by
+    pid N", its own pid: a port of the seeds, which allow any number of buffers, could not tell why."""
     live_set(reg)
     err = errors(join(reg, 0))[("c", 0)]
-    assert err.code is ErrorCode.RANK_TAKEN and "still held by pid 100" in err.message
+    assert err.code is ErrorCode.RANK_TAKEN and "still held by this same process (pid 100)" in err.message
+    assert "give each buffer set of one group its own name=" in err.message, err.message
+    other = errors(join(reg, 0, pid=300))[("c", 0)]
+    assert other.code is ErrorCode.RANK_TAKEN and "still held by pid 100;" in other.message, other.message
+
+
+def test_a_rendezvous_that_times_out_names_a_rank_two_processes_asked_for(reg):
+    """The survivor was told only that rank 1 never joined, which sent its operator after a missing
+    process: the daemon had seen two processes ask for rank 0, the usual sign of a rank mapping bug."""
+    join(reg, 0, now=0.0)
+    assert errors(join(reg, 0, pid=999, now=1.0))[("c", 0)].code is ErrorCode.RANK_TAKEN
+    failed = errors(reg.expire(10.0))[("c", 0)]
+    assert failed.code is ErrorCode.TIMEOUT and "rank(s) [1] of 2 never joined" in failed.message, failed
+    assert "a rank was asked for again (rank 0 by pid 999): do two processes take one rank?" in failed.message
 
 
 def test_death_during_rendezvous_fails_the_others_naming_rank_and_pid(reg, mem):
