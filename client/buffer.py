@@ -175,11 +175,12 @@ class PeerBuffer:
         except MonoUnsupported as err:
             self.close()
             raise type(err)(f"peer memory agreement failed ({where}): {err}", err.code) from None
-        if not verdict["ok"]:
+        if failure is not None or not verdict["ok"]:  # a yes forged on the page hides no failure of this rank's
             self.close()
             side = "this" if failure else "another"
+            reason = verdict["reason"] if not verdict["ok"] else f"{type(failure).__name__}: {failure}"
             raise MonoUnsupported(
-                f"peer memory handshake failed on {side} rank ({where}): {verdict['reason']}", "GROUP_FAILED"
+                f"peer memory handshake failed on {side} rank ({where}): {reason}", "GROUP_FAILED"
             ) from failure
 
         self._link.choose()

@@ -10,6 +10,10 @@ Builds a PeerBuffer, prints one JSON line {"ready": ..., "page": bool, "where": 
     check               buf.check()
     where               where the buffer's page is: see ``where``
     garbage             overwrite this member's mapping of its page's WHOLE area with random bytes
+    poke A OFF W=V...   forge, as a hostile process of the uid would: store each u64 V at byte W of the page at
+                        byte OFF of area A (its id, as join replies name it) in this process's mapping, in order,
+                        each sequentially consistent, then wake the page's sleepers; answers each word's value before
+    peek A OFF W...     the u64s at bytes W of that page (numbers may be hex)
     reduce              all_reduce(buf, ones) on the host, polling the buffer's page: the sum
     fresh G R N [NAME]  a new PeerBuffer of group G as rank R of N in place of buf (which stays open);
                         tried twice where the first call finds the daemon restarted
@@ -48,9 +52,13 @@ def main() -> None:
     parser.add_argument("--npes", type=int, required=True)
     parser.add_argument("--name", default="default")
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--build-timeout", type=float, default=30.0, help="the PeerBuffer's timeout: its "
+                        "rendezvous and its commit vote")
     parser.add_argument("--no-map", action="store_true", help="this rank cannot map the page (mmap refused)")
     parser.add_argument("--no-voter", action="store_true", help="this rank's peerd was installed without a C "
                         "compiler: no compiled voter")
+    parser.add_argument("--peers-fail-after", type=float, default=None, help="mapping its peers' buffers fails, "
+                        "this many seconds after it began: the rank commits a no through a message")
     parser.add_argument("--as-user", default=None, help="uid:gid[:extra,gids]: drop to it before any call")
     args = parser.parse_args()
     if args.no_voter:
@@ -73,6 +81,16 @@ def main() -> None:
             super().__init__(path, slot, *a, **kw)
 
     pagelink.FdRequest = CountedRequest
+    if args.peers_fail_after is not None:
+        import time
+
+        import peerd_client.buffer
+
+        def fails(*_, **__):
+            time.sleep(args.peers_fail_after)
+            raise OSError("mmap of a peer's buffer failed: Cannot allocate memory")
+
+        peerd_client.buffer.mappings.open = fails
 
     import torch
 
@@ -83,7 +101,7 @@ def main() -> None:
         from rank import become  # tests/rank.py, beside this script
 
         become(args.as_user)
-    buf = PeerBuffer(1 << 16, args.group, args.rank, args.npes, name=args.name, timeout=30)
+    buf = PeerBuffer(1 << 16, args.group, args.rank, args.npes, name=args.name, timeout=args.build_timeout)
     group = args.group
 
     def where() -> dict | None:
@@ -98,6 +116,7 @@ def main() -> None:
                 with open("/proc/self/maps") as maps:
                     inode = next(int(line.split()[4]) for line in maps if line.startswith(start))
                 found.update(inode=inode, offset=page.address - area.address)
+                found["area"] = next(a for (_, a), h in pagelink._areas.items() if h.area is area)
         return found
 
     print(json.dumps({"ready": True, "page": buf.abort_address != 0, "where": where()}), flush=True)
@@ -123,6 +142,26 @@ def main() -> None:
             ctypes.memmove(area.address, os.urandom(area.size), area.size)
         return sum(area.size for area in areas)
 
+    def page_in(area_id: str, offset: str):
+        """The page at ``offset`` of area ``area_id`` as this process maps it, whoever's set is there now."""
+        (area,) = [h.area for (_, a), h in pagelink._areas.items() if a == int(area_id)]
+        return area.page_at(int(offset, 0), area.size - int(offset, 0))
+
+    def poke(area_id: str, offset: str, *writes: str) -> list[int]:
+        from peerd.atomics import atomics
+
+        page, before = page_in(area_id, offset), []
+        for write in writes:
+            word, value = (int(v, 0) for v in write.split("="))
+            before.append(page.word(word).value)
+            atomics().store_seq_cst(page.word(word), value)
+        page._wake_sleepers()  # as every writer of the page does
+        return before
+
+    def peek(area_id: str, offset: str, *words: str) -> list[int]:
+        page = page_in(area_id, offset)
+        return [page.word(int(word, 0)).value for word in words]
+
     for line in sys.stdin:
         command, *rest = line.split()
         if command == "agree":
@@ -136,6 +175,10 @@ def main() -> None:
             reply = answer(where)
         elif command == "garbage":
             reply = answer(garbage)
+        elif command == "poke":
+            reply = answer(lambda: poke(*rest))
+        elif command == "peek":
+            reply = answer(lambda: peek(*rest))
         elif command == "reduce":
             reply = answer(reduce)
         elif command == "fresh":
