@@ -232,7 +232,7 @@ def chunk_memory(name: str) -> ChunkMemory:
             return _module(candidate).Memory()
         except BackendUnavailable as err:
             passed_over.append(f"{candidate}: {err}")
-    log.info("--backend auto serves host memory; passed over %s (name --backend cuda or hip to stop instead)",
+    log.info("--backend auto serves host memory; passed over %s (--backend cuda or hip fails instead)",
              "; ".join(passed_over))
     return _module("host").Memory()
 
