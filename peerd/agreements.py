@@ -27,7 +27,7 @@ from typing import Any
 from .buffersets import RankKey, SetIndex
 from .credentials import Credentials
 from .index import Index
-from .outbox import Caller, Outbox, Send, refuse
+from .outbox import Caller, Outbox, Send, rank_out_of_range, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
@@ -118,8 +118,8 @@ class Agreements:
     def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         pid, uid = who.pid, who.uid
         group, rank, npes = req["group"], req["rank"], req["npes"]
-        if rank >= npes:
-            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        if invalid := rank_out_of_range(caller, group, rank, npes):
+            return [invalid]
         sizes = self._sets.group_sizes(uid, group)
         if sizes and npes not in sizes:  # else a stray vote could fix the group's npes before its members did
             return [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} agrees with npes={npes} but "

@@ -30,3 +30,11 @@ Outbox = list[Send]
 def refuse(caller: Caller, code: ErrorCode, message: str) -> Send:
     """An error reply to one caller."""
     return Send(caller, error=ProtocolError(code, message))
+
+
+def rank_out_of_range(caller: Caller, group: str, rank: int, npes: int) -> Send | None:
+    """RANK_INVALID for a rank past ``npes``, naming the group and the ranks it has; None for one inside."""
+    if rank < npes:
+        return None
+    return refuse(caller, ErrorCode.RANK_INVALID,
+                  f"rank {rank} of group={group} is out of range for npes={npes} (its ranks are 0 to {npes - 1})")

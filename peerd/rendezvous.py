@@ -26,7 +26,7 @@ from .buffersets import BufferSet, RankKey, SetIndex, Slot, State
 from .index import Index
 from .pages import LEAVE_GRACE_S, NoPages, Pages
 from .credentials import Credentials
-from .outbox import Caller, Outbox, Send, refuse
+from .outbox import Caller, Outbox, Send, rank_out_of_range, refuse
 from .protocol import ErrorCode, ProtocolError
 from .quotas import Quotas
 from .rounds import Round
@@ -124,8 +124,8 @@ class Rendezvous:
 
     def join(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         rank, npes = req["rank"], req["npes"]
-        if rank >= npes:
-            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        if invalid := rank_out_of_range(caller, req["group"], rank, npes):
+            return [invalid]
         refusal = self._quotas.shape_refusal(req)
         if refusal:
             return [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
@@ -231,8 +231,8 @@ class Rendezvous:
         """
         key, pid = (who.uid, req["group"], req["name"]), who.pid
         rank, npes = req["rank"], req["npes"]
-        if rank >= npes:
-            return [refuse(caller, ErrorCode.RANK_INVALID, f"rank {rank} is out of range for npes={npes}")]
+        if invalid := rank_out_of_range(caller, req["group"], rank, npes):
+            return [invalid]
         message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {req['reason']}"
         bset = self.index.current.get(key)
         if bset is not None and bset.state is not State.JOINING:

@@ -76,7 +76,8 @@ def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(daemon):
 
 def test_rank_out_of_range_and_rank_taken(daemon):
     out_of_range = run_ranks(daemon, "join", 2, "--group", "bad", ranks=[5])[0]
-    assert out_of_range["code"] == "RANK_INVALID" and "rank 5 is out of range for npes=2" in out_of_range["message"]
+    assert out_of_range["code"] == "RANK_INVALID", out_of_range
+    assert "rank 5 of group=bad is out of range for npes=2 (its ranks are 0 to 1)" in out_of_range["message"]
     holder = start_rank(daemon, "join", 0, 2, "--group", "taken", "--timeout", "120")
     wait_until(lambda: "group=taken name=default rank=0" in daemon.logs(), 90, "rank 0 to join")
     thief = run_ranks(daemon, "join", 2, "--group", "taken", ranks=[0])[0]

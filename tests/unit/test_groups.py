@@ -166,7 +166,11 @@ def test_a_join_outside_the_set_does_not_count_as_one_of_its_ranks_hearing_the_v
 
 
 def test_rank_out_of_range_and_taken(reg):
-    assert errors(join(reg, 2))[("c", 2)].code is ErrorCode.RANK_INVALID
+    invalid = errors(join(reg, 2))[("c", 2)]
+    assert invalid.code is ErrorCode.RANK_INVALID
+    assert invalid.message == "rank 2 of group=g is out of range for npes=2 (its ranks are 0 to 1)", invalid.message
+    agreeing = errors(agree(reg, 3))[("a", 3)]
+    assert agreeing.code is ErrorCode.RANK_INVALID and "rank 3 of group=a is out of range" in agreeing.message
     join(reg, 0)
     taken = errors(join(reg, 0, pid=999))[("c", 0)]
     assert taken.code is ErrorCode.RANK_TAKEN and "already joined by pid 100" in taken.message
