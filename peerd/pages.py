@@ -312,11 +312,14 @@ class Pages:
         area.closed = True
         log.info("control page area %d of uid %s closed: %s", area.id, area.owner, why)
 
+    def draining(self, reason: str) -> None:
+        """The daemon takes no more joins: every group is aborted now, while its memory stays for the grace,
+        so engines stop their kernels and release before it is freed (a group has no future set here)."""
+        self._abort_all(reason)
+
     def shutdown(self) -> None:
         """Abort every page and close every area; members see the alive pipe close too."""
-        for entry in self._pages.values():
-            entry.page.close_round(COMMIT_ROUND)  # as for an eviction
-            self._abort_entry(entry, AbortCode.SHUTDOWN, "the peerd daemon is shutting down")
+        self._abort_all("the peerd daemon is shutting down")
         for areas in self._areas.values():
             for area in areas:
                 area.area.close()
@@ -339,6 +342,11 @@ class Pages:
     def areas(self) -> int:
         """Areas open now."""
         return sum(map(len, self._areas.values()))
+
+    def _abort_all(self, reason: str) -> None:
+        for entry in self._pages.values():
+            entry.page.close_round(COMMIT_ROUND)  # as for an eviction
+            self._abort_entry(entry, AbortCode.SHUTDOWN, reason)
 
     def _abort(self, set_id: int, code: AbortCode, reason: str) -> None:
         entry = self._pages.get(set_id)

@@ -234,6 +234,8 @@ class Daemon:
                          signal.Signals(signum).name, grace)
                 self._notifier.stopping(f"draining: {self._summary()}")
                 out += self.registry.drain()
+                self.pages.draining(f"the peerd daemon is stopping: release this group's buffers within {grace:g}s, "
+                                    "when it frees them")
             else:
                 log.info("%s again: stopping now", signal.Signals(signum).name)
                 self._stopping = True

@@ -409,3 +409,21 @@ def test_a_rank_that_releases_while_its_peer_waits_in_tp_agree_ends_the_round_on
     leaver.end()
     said = stayer.end()
     assert f"rank 1 (pid {leaver.proc.pid})" in said and "released" in said, said
+
+
+def test_a_drain_aborts_every_live_group_at_once_so_it_can_release_within_the_grace(socket_dir):
+    """On SIGTERM live groups heard nothing until the grace ran out and their memory was freed under their
+    kernels: tp_agree kept agreeing and check() kept passing, so no engine knew to release."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               args=("--shutdown-grace", "60")).start()
+    members = group_of(d, "drained", 2)
+    assert all(m.page for m in members)
+    d.proc.send_signal(signal.SIGTERM)
+    for m in members:
+        said = aborted(m)["message"]
+        assert "SHUTDOWN" in said and "the peerd daemon is stopping: release this group's buffers within 60s" in said
+    assert [r["value"] for r in ask_all(members, "agree")] == [False, False]
+    assert [r["ok"] for r in ask_all(members, "close")] == [True, True]
+    assert d.proc.wait(timeout=30) == 0, "every set released: the daemon stops well before its grace"
+    for m in members:
+        m.end()
