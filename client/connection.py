@@ -62,6 +62,12 @@ from .errors import DaemonUnavailable, MonoUnsupported
 from .mappings import DaemonRun, mappings
 
 
+#: why a daemon closes a connection before a word: its caps (peerd.connections), else it was stopping
+SHUT_DOWN_ADVICE = ("this user may be at its cap on connections (--max-connections-per-uid, or --max-connections for "
+                    "every user; the daemon's log says which): close some of this user's connections to it, or ask "
+                    "its operator to raise the cap; else the daemon was stopping")
+
+
 def seconds_from_env(name: str, default: float) -> float:
     """``name``'s seconds, or ``default`` with one warning when it is not a number in (0, MAX_TIMEOUT_S].
 
@@ -177,11 +183,18 @@ class Connection:
         gone, a reply could otherwise come from that user's process.
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
-        if not self._sock.poll(int(timeout * 1000) + 1):  # the whole wait: a supervisor may be restarting it
-            why = ("nobody listens there: the socket is left from a daemon that stopped; start one with `peerd "
-                   "serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs"
-                   if not listened_at(self.path) else "it accepts connections but its loop does not answer")
-            raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s: {why}")
+        deadline = time.monotonic() + timeout  # the whole wait: a supervisor may be restarting it
+        while not self._sock.poll(0):
+            if self._dropped():  # the hello went down with the connection: nothing is coming
+                raise DaemonUnavailable(f"peerd daemon at {self.path} closed this connection before answering hello: "
+                                        f"{SHUT_DOWN_ADVICE}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = ("nobody listens there: the socket is left from a daemon that stopped; start one with `peerd "
+                       "serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs"
+                       if not listened_at(self.path) else "it accepts connections but its loop does not answer")
+                raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s: {why}")
+            self._poller.poll(int(left * 1000) + 1)
         frame = self._sock.recv(copy=False)
         sender = credentials(frame)
         if sender is None or sender.uid not in trusted:
@@ -225,14 +238,21 @@ class Connection:
     def _check_lost(self) -> None:
         if self._lost == CLOSED:
             raise DaemonUnavailable(f"this connection to {self.path} was closed (the daemon went away earlier)")
+        if self._dropped():
+            self._lost = ("the connection dropped: the daemon died, was restarted or stopped answering, or shut it "
+                          "down over a cap on connections, which its log names")
+        if self._lost:
+            raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
+
+    def _dropped(self) -> bool:
+        """Whether the monitor has reported the connection dropped since it was last read."""
+        dropped = False
         while self._monitor.poll(0):
             # a monitor event is (uint16 event, uint32 value), then the endpoint; parsed
             # here because zmq.utils.monitor imports asyncio, 40 ms of every worker's start
             event = struct.unpack("=H", self._monitor.recv_multipart()[0][:2])[0]
-            if event == zmq.EVENT_DISCONNECTED:
-                self._lost = "the connection dropped: the daemon died, was restarted or stopped answering"
-        if self._lost:
-            raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
+            dropped = dropped or event == zmq.EVENT_DISCONNECTED
+        return dropped
 
     def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,
              meanwhile: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -454,8 +454,17 @@ class Daemon:
         if who is None:
             self._malformed.add("no kernel credentials, not an ipc peer? (dropped)")
             return []
-        # supplementary groups as the kernel recorded them on this connection, read only when needed
-        allowed = self.allowlist.admits(who.uid, who.gid, lambda: connection_groups(payload, who))
+        read: list[frozenset[int] | None] = []
+
+        def groups() -> frozenset[int] | None:
+            """Supplementary groups as the kernel recorded them on this connection, read only when needed."""
+            read.append(connection_groups(payload, who))
+            return read[0]
+
+        allowed = self.allowlist.admits(who.uid, who.gid, groups)
+        if not allowed and read == [None]:  # its connection is gone (shut down over a cap): no outsider to log
+            self._malformed.add("a message whose connection had closed before it was read (dropped)")
+            return []
         if not allowed:  # refused before its frame is decoded
             return self._refuse(identity, who, payload.bytes)
         try:
