@@ -120,7 +120,11 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
     if created:
         os.fchmod(fd, mode)  # mkdir's mode went through the umask
         if gid is not None:
-            os.fchown(fd, -1, gid)
+            try:
+                os.fchown(fd, -1, gid)
+            except PermissionError:
+                os.rmdir(directory)  # empty, and made by this start: the next one makes it again
+                raise _group_refused(gid) from None
         return
     found = stat.S_IMODE(info.st_mode)
     if found & (stat.S_IWOTH | stat.S_IWGRP):
@@ -161,8 +165,20 @@ def remove_stale_socket(path: str) -> None:
 def secure_socket(path: str, gid: int | None) -> None:
     """0660, in the socket group when there is one: for the socket this daemon has just bound."""
     if gid is not None:
-        os.chown(path, -1, gid, follow_symlinks=False)
+        try:
+            os.chown(path, -1, gid, follow_symlinks=False)
+        except PermissionError:
+            raise _group_refused(gid) from None
     os.chmod(path, 0o660)
+
+
+def _group_refused(gid: int) -> UnsafeSocketDirectory:
+    """The kernel's EPERM for a socket group this daemon may not give: what it lacks, and the ways out."""
+    return UnsafeSocketDirectory(
+        f"this daemon ({describe_uid(os.geteuid())}) may not give its socket to the socket group "
+        f"{describe_gid(gid)} (--socket-group, socket_group): it is not a member and lacks CAP_CHOWN; add its "
+        "user to that group, keep CAP_CHOWN, or give another socket group"
+    )
 
 
 #: SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as the kernel recorded them at connect.

@@ -341,3 +341,21 @@ def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_grou
         assert d.settled_segments() == [], "the daemon freed every buffer"
     finally:
         assert d.stop() == 0, d.logs()
+
+
+def test_a_socket_group_the_daemon_may_not_give_is_named_and_nothing_is_left_behind(socket_dir, probe_user):
+    """A daemon neither in its socket group nor holding CAP_CHOWN (a hand-run daemon, the DaemonSet that
+    drops every capability) stopped on a bare '[Errno 1] Operation not permitted', and left its socket
+    directory behind in its own group, which then kept the next start from working either."""
+    uid, gid, _ = probe_user
+    os.chown(socket_dir, uid, gid)
+    os.chmod(socket_dir, 0o755)
+    run_dir = Path(socket_dir) / "run"
+    for attempt in range(2):
+        done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}", "serve",
+                               "--backend", "host", "--socket", str(run_dir / "peerd.sock"), "--socket-group",
+                               SOCKET_GROUP], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "[Errno" not in done.stderr, (attempt, done.stderr)
+        assert f"may not give its socket to the socket group {SOCKET_GROUP}" in done.stderr, done.stderr
+        assert "it is not a member and lacks CAP_CHOWN" in done.stderr, done.stderr
+        assert not run_dir.exists(), "the directory this start made is gone with it"
