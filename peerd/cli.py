@@ -326,7 +326,11 @@ def evict(socket_path: str, group: str, name: str | None, uid: int | None, yes: 
                        f"({g['state']}) is held by pids {pids}; kernels of those processes may still touch its "
                        "memory after it is freed.", err=True)
         if not yes:
-            click.confirm("Evict and free it now?", abort=True, err=True)
+            try:
+                click.confirm("Evict and free it now?", abort=True, err=True)
+            except click.Abort:  # a no, Ctrl-C, or no terminal to ask on: click's bare "Aborted!" said none of it
+                raise click.ClickException("nothing evicted: not confirmed (pass --yes to evict without asking)") \
+                    from None
         for g in sets:  # one set per request: each reply stays small however many sets the group has
             for entry in _call(conn, "evict", {"group": group, "name": g["name"], "uid": g["uid"]})["evicted"]:
                 click.echo(f"evicted group={escape(entry['group'])} name={escape(entry['name'])} of uid {entry['uid']}")

@@ -49,7 +49,8 @@ class PidWatcher:
         if self._per_uid[uid] < self.max_per_uid:
             return None
         return (f"uid {uid} already has {self._per_uid[uid]} live processes holding or waiting on something in the "
-                f"daemon (at most {self.max_per_uid}); pid {pid} must wait until some of them exit")
+                f"daemon (at most {self.max_per_uid}, --max-processes-per-uid); pid {pid} is refused: try again "
+                "once some of them exit")
 
     def watch(self, pid: int, uid: int | None) -> int | None:
         """Start watching pid (``refusal`` said yes); the new pidfd to poll, if one was made. OSError where

@@ -75,10 +75,10 @@ class Quotas:
         limit, share = self.limits.max_groups, self.limits.max_groups_per_uid
         if share is not None and kept_by_uid >= share:
             return (f"uid {uid} already holds {kept_by_uid} buffer sets (--max-groups-per-uid {share}); a new "
-                    f"group={group} name={name} must wait for one of its sets to be freed")
+                    f"group={group} name={name} is refused: try again once one of its sets is freed")
         if limit is not None and kept >= limit:
             return (f"the daemon already holds {limit} buffer sets (--max-groups {limit}); "
-                    f"a new group={group} name={name} must wait for one to be freed")
+                    f"a new group={group} name={name} is refused: try again once one is freed")
         return None
 
     def usage_refusal(self, nbytes: int, uid: int | None, device: str) -> str | None:
@@ -106,7 +106,7 @@ class Quotas:
         kept = self.agreements_by_uid.get(uid, 0)
         if kept >= MAX_AGREEMENTS_PER_UID:
             return (f"uid {uid} already keeps {kept} agreements (at most {MAX_AGREEMENTS_PER_UID}); "
-                    f"group={group} must wait until the processes of another one exit")
+                    f"group={group} is refused: try again once the processes of another one exit")
         return None
 
     @staticmethod

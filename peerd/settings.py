@@ -130,6 +130,11 @@ class Integer(click.IntRange):
     def convert(self, value: Any, param, ctx) -> int:
         if isinstance(value, (bool, float)):
             self.fail(f"{value!r} is not an integer", param, ctx)
+        if isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:  # click's own words for this are "not a valid integer range"
+                self.fail(f"{value!r} is not an integer", param, ctx)
         return super().convert(value, param, ctx)
 
 

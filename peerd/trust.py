@@ -217,6 +217,9 @@ def _denied(action: str, path: str, info: os.stat_result, group_bit: int) -> str
     mode, group, me = stat.S_IMODE(info.st_mode), describe_gid(info.st_gid), os.geteuid()
     found = (f"permission denied: {describe_uid(me)} may not {action} {path} (mode {mode:04o}, owner "
              f"{describe_uid(info.st_uid)}, group {group})")
+    if mode & group_bit and info.st_gid == 0:  # no group of users: a daemon given no socket group
+        return (f"{found}; only root's group may: ask the daemon's operator to give it a socket group of "
+                "users (socket_group, --socket-group) that you are a member of")
     if mode & group_bit:
         return (f"{found}; members of group {group} may: ask to be added (usermod -aG {group} "
                 f"{user_name(me) or 'USER'}, effective at the next login)")

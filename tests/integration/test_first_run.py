@@ -142,3 +142,22 @@ def test_a_socket_path_no_daemon_can_serve_is_a_daemon_unavailable_naming_peerd_
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.stdout.startswith("DAEMON_UNAVAILABLE PEERD_SOCKET names no usable socket: '@abstract' is an "
                                   "abstract-namespace socket"), (done.stdout, done.stderr)
+
+
+def test_an_evict_nobody_confirmed_says_how_to_without_asking_and_a_bad_count_says_not_an_integer(daemon):
+    """Without a terminal (a script, ssh without -t) evict printed its question, then a bare "Aborted!";
+    a count that is no number was "not a valid integer range"."""
+    holder = start_rank(daemon, "join", 0, 1, "--group", "asked", "--hold", "60")
+    try:
+        wait_until(lambda: "group=asked name=default live" in daemon.logs(), 90, "the set to go live")
+        unasked = subprocess.run([sys.executable, "-m", "peerd", "evict", "asked", "--socket", daemon.socket],
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        assert unasked.returncode == 1 and "nothing evicted: not confirmed (pass --yes to evict without asking)" \
+            in unasked.stderr, unasked.stderr
+        assert "asked  default" in daemon.cli("ls").stdout, "still there"
+    finally:
+        holder.kill()
+        holder.wait()
+    bad = subprocess.run([sys.executable, "-m", "peerd", "config"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PEERD_MAX_GROUPS": "abc"})
+    assert bad.returncode == 1 and "bad value for max_groups: 'abc' is not an integer" in bad.stderr, bad.stderr

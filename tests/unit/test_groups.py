@@ -547,7 +547,7 @@ def test_one_uid_holds_at_most_its_share_of_the_sets_and_the_others_still_get_th
     over = errors(reg.join(("e", "c"), who(100, 7), {**body, "name": "c"}, 0.0))[("e", "c")]
     assert over.code is ErrorCode.LIMIT_EXCEEDED
     assert over.message == ("uid 7 already holds 2 buffer sets (--max-groups-per-uid 2); a new group=g name=c "
-                            "must wait for one of its sets to be freed")
+                            "is refused: try again once one of its sets is freed")
     assert bodies(reg.join(("o", 0), who(200, 8), body, 0.0)), "another uid still gets a set"
     withdrawn = reg.withdraw(("e", "w"), who(100, 7), {"group": "w", "name": "n", "rank": 0, "npes": 2,
                                                        "reason": "no GPU"}, 0.0)

@@ -60,7 +60,8 @@ def test_a_uid_gets_at_most_its_share_of_watched_processes_and_a_death_frees_a_p
         assert watcher.refusal(children[0].pid, 1000) is None, "a process already watched is never refused"
         refused = watcher.refusal(children[2].pid, 1000)
         assert refused == (f"uid 1000 already has 2 live processes holding or waiting on something in the daemon "
-                           f"(at most 2); pid {children[2].pid} must wait until some of them exit")
+                           f"(at most 2, --max-processes-per-uid); pid {children[2].pid} is refused: try again "
+                           "once some of them exit")
         assert watcher.refusal(children[2].pid, 1001) is None, "another uid has its own share"
         children[0].kill()
         children[0].wait()
