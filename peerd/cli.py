@@ -204,6 +204,8 @@ def status(socket_path: str, as_json: bool) -> None:
                + (" (draining)" if info["draining"] else ""))
     for problem in info["problems"]:
         click.echo(f"  problem: {escape(problem)}")
+    if info.get("restart_pending"):
+        click.echo(f"  reloaded, but these settings take a restart: {', '.join(info['restart_pending'])}")
     click.echo(
         f"backend {info['backend']}, up {info['uptime_s']:.0f}s, {info['groups']} buffer set(s), "
         f"{info['ranks_held']} rank(s) held, {human(info['bytes_allocated'])} allocated, "

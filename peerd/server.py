@@ -145,6 +145,7 @@ class Daemon:
         self._drain_until: float | None = None  # set by the first SIGTERM/SIGINT
         self._signals: list[int] = []
         self._reload_failed: str | None = None  # why the last SIGHUP changed nothing, until one succeeds
+        self._restart_pending: list[str] = []  # the settings a reload read that only a restart applies
         self._notifier = Notifier()
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
@@ -270,7 +271,8 @@ class Daemon:
             fresh, self.allowlist = read
             logging.getLogger().setLevel(fresh.log_level.upper())
             self.registry.configure(fresh.limits, fresh.rendezvous_timeout, fresh.agreement_timeout)
-            ignored = [f for f in RESTART_ONLY if getattr(fresh, f) != getattr(self.settings, f)]
+            ignored = self._restart_pending = [f for f in RESTART_ONLY
+                                               if getattr(fresh, f) != getattr(self.settings, f)]
             self.settings = replace(fresh, **{f: getattr(self.settings, f) for f in RESTART_ONLY})
             self._guard.limits = self.settings.connection_limits
             self._watcher.max_per_uid = self.settings.max_processes_per_uid
@@ -578,6 +580,8 @@ class Daemon:
             "liveness": "polling" if self._watcher.polling else "pidfd",
             "connections": self._guard.snapshot(),
             "replies_dropped": self._dropped.total,
+            "reload_failed": self._reload_failed,
+            "restart_pending": self._restart_pending,
         }
         stuck = self._stuck.scan(self.registry, time.monotonic())
         return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop, stuck))]

@@ -124,8 +124,13 @@ def test_a_reload_that_failed_stays_in_the_status_systemd_shows_until_one_succee
         config.write_text("bogus = 1\n")
         failed = status_after_reload()
         assert failed.startswith(f"serving {d.socket}") and "the last reload failed" in failed and "bogus" in failed
-        config.write_text("max_groups = 13\n")
+        shown = d.cli("status")  # and to every probe, where no systemd shows it (Kubernetes)
+        assert shown.returncode == 1 and "problem: the last reload failed" in shown.stdout, shown.stdout
+        config.write_text("max_groups = 13\ncontrol_pages = false\n")
         assert "failed" not in status_after_reload()
+        shown = d.cli("status")
+        assert shown.returncode == 0, shown.stdout
+        assert "reloaded, but these settings take a restart: control_pages" in shown.stdout, shown.stdout
     finally:
         systemd.close()
         assert d.stop() == 0, d.logs()

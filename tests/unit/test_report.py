@@ -4,8 +4,8 @@ from peerd import report
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory
 
-LOOP = {"draining": False, "connections": {"open": 5, "max": 64, "max_per_uid": 8, "refused": 0,
-                                           "top_uids": [[1001, 3], [1000, 2]]}}
+LOOP = {"draining": False, "reload_failed": None, "restart_pending": [],
+        "connections": {"open": 5, "max": 64, "max_per_uid": 8, "refused": 0, "top_uids": [[1001, 3], [1000, 2]]}}
 
 
 class OneDevice:
@@ -16,10 +16,20 @@ class OneDevice:
                                             {"uid": 1001, "chunks": 2, "reserved_bytes": 128, "handed_out_bytes": 0}]}]
 
 
-def status_for(viewer: int) -> dict:
+def status_for(viewer: int, **loop) -> dict:
     mem = FakeMemory()
     registry = Registry(mem.allocate, mem.free, admins=frozenset({0, 990}))
-    return report.status(registry, OneDevice(), 1, viewer, LOOP, [])
+    return report.status(registry, OneDevice(), 1, viewer, {**LOOP, **loop}, [])
+
+
+def test_a_failed_reload_degrades_the_status_and_only_administrators_read_the_file_s_words():
+    """Where no systemd shows STATUS= (Kubernetes), a failed reload was in the log alone."""
+    failed = "the last reload failed, the running configuration is kept: /etc/peerd/peerd.toml: bad key"
+    assert status_for(0, reload_failed=failed)["problems"] == [failed]
+    user = status_for(1000, reload_failed=failed)
+    assert user["health"] == "degraded" and user["problems"] == [
+        "the last reload of the configuration failed (the daemon's log says why)"]
+    assert status_for(0, restart_pending=["backend"])["health"] == "healthy", "a pending restart is no problem"
 
 
 def test_a_user_sees_only_its_own_connection_count():
