@@ -44,14 +44,21 @@ class UnsafeSocketDirectory(UntrustedPath):
     """The socket's directory would let other users take the socket over."""
 
 
-def resolve_group(name_or_gid: str | int) -> int:
-    """A group name or number as a gid; ValueError naming it when there is no such group."""
+def resolve_group(name_or_gid: str | int, setting: str) -> int:
+    """A group name or number as a gid; ValueError naming it, and the ``setting`` it came from, when there
+    is no such group."""
     if isinstance(name_or_gid, int) or str(name_or_gid).isdigit():
         return int(name_or_gid)
     try:
         return grp.getgrnam(name_or_gid).gr_gid
     except KeyError:
-        raise ValueError(f"no such group {name_or_gid!r} (for --socket-group / --allow-gid)") from None
+        raise ValueError(f"no such group {name_or_gid!r} ({setting})") from None
+
+
+def resolve_groups(socket_group: str | int | None, allow_gid: tuple) -> tuple[int | None, tuple[int, ...]]:
+    """The socket group's gid (None: none) and the allowed gids, each name looked up (NSS: it may be slow)."""
+    socket_gid = resolve_group(socket_group, "socket_group, --socket-group") if socket_group is not None else None
+    return socket_gid, tuple(resolve_group(g, "allow_gid, --allow-gid") for g in allow_gid)
 
 
 def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
@@ -62,13 +69,9 @@ def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
     ``gid``, set through a descriptor that cannot follow a symlink: changing
     an existing one could change whatever a planted link points at. An
     existing directory must already be the daemon's and writable by no one
-    else. Group write counts too: any member of the group could replace the socket.
+    else. Group write counts too: any member of the group could replace the socket
+    (``mode`` never has it: peerd.settings refuses such a --socket-dir-mode).
     """
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeSocketDirectory(
-            f"socket directory mode {mode:04o} (--socket-dir-mode) is writable by other users, who could replace "
-            "the socket; give a mode without group or other write, e.g. 0750"
-        )
     parent = os.path.dirname(directory)
     try:
         check_directories(parent, {0, os.geteuid()})

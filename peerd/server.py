@@ -24,7 +24,7 @@ import zmq
 
 from . import __version__, report
 from .admission import admins_of, admit, forbidden
-from .access import Allowlist, GroupSource, connection_groups, resolve_group, secure_socket
+from .access import Allowlist, GroupSource, connection_groups, resolve_groups, secure_socket
 from .connections import ConnectionGuard, raise_fd_limit
 from .arena import OverCap
 from .backends import Allocation, AllocationFailed, MemoryBackend, UnknownDevice
@@ -120,10 +120,8 @@ class Daemon:
         self.settings = settings
         self._loader = loader  # reads the settings again on SIGHUP
         self.socket_path = settings.socket
-        self.socket_gid = resolve_group(settings.socket_group) if settings.socket_group is not None else None
-        self.allowlist = Allowlist.build(
-            settings.allow_uid, tuple(resolve_group(g) for g in settings.allow_gid), self.socket_gid
-        )
+        self.socket_gid, allowed_gids = resolve_groups(settings.socket_group, settings.allow_gid)
+        self.allowlist = Allowlist.build(settings.allow_uid, allowed_gids, self.socket_gid)
         self._claim = SocketClaim(self.socket_path, settings.socket_dir_mode, self.socket_gid)
         try:
             self.backend = backend = open_backend()
@@ -253,8 +251,8 @@ class Daemon:
     def _read_settings(self) -> tuple[Settings, Allowlist]:
         """The reload thread's work: the file read, and its group names looked up."""
         fresh, _ = self._loader.load()
-        allowlist = Allowlist.build(fresh.allow_uid, tuple(resolve_group(g) for g in fresh.allow_gid), self.socket_gid)
-        return fresh, allowlist
+        _, allowed_gids = resolve_groups(fresh.socket_group, fresh.allow_gid)  # a file naming no group fails whole
+        return fresh, Allowlist.build(fresh.allow_uid, allowed_gids, self.socket_gid)
 
     def _apply_reload(self, read: tuple[Settings, Allowlist] | None, error: Exception | None) -> None:
         """On the loop: apply the allowlist, log level, limits and timeouts a reload read.

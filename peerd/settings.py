@@ -55,8 +55,9 @@ class ByteSize(click.ParamType):
 
     name = "size"
 
-    def __init__(self, limit: bool = True):
+    def __init__(self, limit: bool = True, multiple_of: int = 1):
         self.limit = limit  # False: a size the daemon carves by (a chunk), where 0 would mean nothing
+        self.multiple_of = multiple_of
 
     def convert(self, value: Any, param, ctx) -> int:
         """Bytes; 0 stands for no limit (so "none" given on the command line is told from nothing given)."""
@@ -76,6 +77,8 @@ class ByteSize(click.ParamType):
             self.fail(f"{value!r} is negative: give a size like {example}", param, ctx)
         if size == 0 and not self.limit:
             self.fail(f"{value!r} is no size here (this is not a limit): give one above 0, like {example}", param, ctx)
+        if size % self.multiple_of:
+            self.fail(f"{value!r} is not a multiple of {self.multiple_of} bytes", param, ctx)
         return size
 
 
@@ -98,6 +101,9 @@ class OctalMode(click.ParamType):
         mode = int(digits, 8)
         if mode > 0o777:
             self.fail(f"{value!r} is not a file mode between 0000 and 0777", param, ctx)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            self.fail(f"{value!r} lets other users write to the socket's directory, who could replace the socket: "
+                      "give a mode without group or other write, e.g. '0750'", param, ctx)
         return mode
 
 
@@ -191,8 +197,9 @@ OPTIONS = (
     Option("max_buffer_bytes", ByteSize(), Limits.max_buffer_bytes, "Largest single buffer."),
     Option("max_bytes_per_uid", ByteSize(), None, "Most bytes one uid may hold at once."),
     Option("max_bytes_per_device", ByteSize(), None, "Most bytes the daemon allocates on one device."),
-    Option("arena_chunk_bytes", ByteSize(limit=False), DEFAULT_CHUNK_BYTES, "Size of the chunks each uid's buffers "
-           f"are carved from, per device (a multiple of {ALIGNMENT}); a bigger buffer gets an allocation of its own."),
+    Option("arena_chunk_bytes", ByteSize(limit=False, multiple_of=ALIGNMENT), DEFAULT_CHUNK_BYTES,
+           f"Size of the chunks each uid's buffers are carved from, per device (a multiple of {ALIGNMENT}); a "
+           "bigger buffer gets an allocation of its own."),
     Option("arena_max_bytes_per_uid", ByteSize(), None, "Most bytes of chunks one uid may reserve, over all devices."),
     Option("arena_idle_s", Seconds(zero=True), DEFAULT_IDLE_S,
            "Seconds a chunk stays empty before it goes back to the driver."),

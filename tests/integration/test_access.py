@@ -56,7 +56,7 @@ def test_socket_and_directory_modes_and_group(socket_dir, probe_user):
 
 @pytest.mark.parametrize("setup, words", [
     (lambda path: os.chown(path, 65534, 65534), "is owned by uid 65534"),
-    (None, "is writable by other users"),
+    (None, "'0770' lets other users write to the socket's directory"),
 ])
 def test_refuses_a_socket_directory_others_could_write_to(socket_dir, setup, words):
     target = os.path.join(socket_dir, "shared")
