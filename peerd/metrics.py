@@ -52,6 +52,7 @@ class Metrics:
         self.port = port
         self._handler = type("_Handler", (MetricsHandler,), {"registry": REGISTRY})
         self.server: MetricsServer | None = None
+        self.unserved: str | None = None  # why the port is not served now, for `peerd status`
         self._lock = threading.Lock()
         self._closed = threading.Event()
         if not self._listen(first=True):
@@ -67,8 +68,11 @@ class Metrics:
                    "a security policy keeps the daemon's user from binding it: pick another metrics_port")
             log.error("metrics: cannot listen on 127.0.0.1:%d (%s): %s; serving on without metrics", self.port,
                       err.strerror or err, why)
+            self.unserved = f"cannot listen on 127.0.0.1:{self.port} ({err.strerror or err}): {why}"
             return True
         except OSError as err:
+            self.unserved = (f"cannot listen on 127.0.0.1:{self.port} ({err.strerror or err}), trying again every "
+                             f"{BIND_RETRY_S:g}s: another process holds the port")
             if first:
                 log.error("metrics: cannot listen on 127.0.0.1:%d (%s): serving on without metrics and trying the "
                           "port again every %gs; `ss -ltnp 'sport = :%d'` shows who holds it (any local user may "
@@ -79,7 +83,7 @@ class Metrics:
             if self._closed.is_set():
                 server.stop()
                 return True
-            self.server = server
+            self.server, self.unserved = server, None
         log.log(logging.INFO if first else logging.WARNING, "metrics on http://127.0.0.1:%d/metrics", self.port)
         return True
 

@@ -52,6 +52,8 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
         found.append(f"{connections['open']} connections held of at most {connections['max']} (--max-connections)")
     if loop["draining"]:  # joins are refused: a readiness probe must send no new job here
         found.append("draining after SIGTERM: new joins are refused until the daemon is restarted")
+    if loop["metrics_unserved"]:  # a port another local user holds, or the daemon's user may not bind
+        found.append(f"metrics (--metrics-port): {loop['metrics_unserved']}")
     if loop["reload_failed"]:  # what the file says, for the administrators; that it failed, for every probe
         found.append(loop["reload_failed"] if viewer in registry.admins else
                      "the last reload of the configuration failed (the daemon's log says why)")

@@ -580,6 +580,7 @@ class Daemon:
             "replies_dropped": self._dropped.total,
             "reload_failed": self._reload_failed,
             "restart_pending": self._restart_pending,
+            "metrics_unserved": self.metrics.unserved if self.metrics is not None else None,
         }
         stuck = self._stuck.scan(self.registry, time.monotonic())
         return [Send(caller, report.status(self.registry, self.backend, self.pages.instance, who.uid, loop, stuck))]

@@ -335,6 +335,9 @@ def test_a_daemon_running_as_its_own_user_serves_another_user_of_its_socket_grou
     try:
         assert "cannot listen on 127.0.0.1:1 (Permission denied): ports below 1024 need root or " \
                "CAP_NET_BIND_SERVICE" in d.logs() and "trying the port again" not in d.logs(), d.logs()
+        shown = d.cli("status")  # and to every probe: a log line alone went unseen
+        assert shown.returncode == 1 and "problem: metrics (--metrics-port): cannot listen on 127.0.0.1:1 " \
+               "(Permission denied): ports below 1024" in shown.stdout, shown.stdout
         results = run_ranks(d, "exchange", 2, "--group", "shared", "--as-user",
                             f"{other.pw_uid}:{other.pw_gid}:{sock_gid}")
         assert all(r["ok"] for r in results), results

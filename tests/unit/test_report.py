@@ -4,7 +4,7 @@ from peerd import report
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory
 
-LOOP = {"draining": False, "reload_failed": None, "restart_pending": [],
+LOOP = {"draining": False, "reload_failed": None, "restart_pending": [], "metrics_unserved": None,
         "connections": {"open": 5, "max": 64, "max_per_uid": 8, "refused": 0, "top_uids": [[1001, 3], [1000, 2]]}}
 
 
