@@ -122,6 +122,10 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
         )
     if created:
         os.fchmod(fd, mode)  # mkdir's mode went through the umask
+        if gid is not None and not mode & stat.S_IXGRP:
+            log.warning("socket directory %s is made with mode %04o (--socket-dir-mode), which keeps the members of "
+                        "the socket group %s out: give a mode with group search, e.g. 0750", directory, mode,
+                        describe_gid(gid))
         if gid is not None:
             try:
                 os.fchown(fd, -1, gid)
@@ -130,6 +134,9 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
                 raise _group_refused(gid) from None
         return
     found = stat.S_IMODE(info.st_mode)
+    if found != mode:
+        log.info("socket directory %s exists with mode %04o: --socket-dir-mode %04o applies only to a directory "
+                 "the daemon creates", directory, found, mode)
     if found & (stat.S_IWOTH | stat.S_IWGRP):
         shared = found & stat.S_ISVTX  # /tmp and its like: shared on purpose, never to be chmodded
         fix = "" if shared else f"chmod go-w {directory}, or "

@@ -44,6 +44,18 @@ def call(daemon, op, body, *extra, rank=0):
     return run_ranks(daemon, "call", 1, "--op", op, "--body", json.dumps(body), *extra, ranks=[rank])[0]
 
 
+def test_a_directory_mode_that_keeps_the_socket_group_out_or_is_not_applied_is_said(socket_dir, probe_user):
+    """--socket-dir-mode 0700 with a socket group made a directory its members could not enter, without a
+    word; a mode for a directory that already existed (the shipped unit's /run/peerd) was silently unused."""
+    d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--socket-dir-mode", "0700")
+    assert d.stop() == 0
+    assert f"is made with mode 0700 (--socket-dir-mode), which keeps the members of the socket group {SOCKET_GROUP}" \
+        " out" in d.logs(), d.logs()
+    d = daemon_with(socket_dir, "--socket-dir-mode", "0750")  # the directory the first one made stays
+    assert d.stop() == 0
+    assert "exists with mode 0700: --socket-dir-mode 0750 applies only to a directory the daemon creates" in d.logs()
+
+
 def test_socket_and_directory_modes_and_group(socket_dir, probe_user):
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP)
     try:
