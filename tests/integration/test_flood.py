@@ -309,7 +309,8 @@ def test_processes_past_the_uids_share_are_not_watched_and_a_bare_request_watche
         assert holder.stdout.readline().strip() == "READY"
     (refused,) = run_ranks(d, "join", 1, "--group", "one-more", "--as-user", users[FLOODER])
     assert not refused["ok"] and refused["code"] == "LIMIT_EXCEEDED", refused
-    assert "already has 3 live processes" in refused["message"] and "(at most 3)" in refused["message"], refused
+    assert "already has 3 live processes" in refused["message"] and "(at most 3, --max-processes-per-uid)" \
+        in refused["message"], refused
     assert status()["clients_watched"] == base + 3
     assert_served(d, users, "beside-processes")
     for holder in holders:
