@@ -62,6 +62,8 @@ from .errors import DaemonUnavailable, MonoUnsupported
 from .mappings import DaemonRun, mappings
 
 
+#: drops before hello's answer that tell a connection cap (each reconnect shut down at once) from a restart
+DROPS_THAT_ARE_A_CAP = 3
 #: why a daemon closes a connection before a word: its caps (peerd.connections), else it was stopping
 SHUT_DOWN_ADVICE = ("this user may be at its cap on connections (--max-connections-per-uid, or --max-connections for "
                     "every user; the daemon's log says which): close some of this user's connections to it, or ask "
@@ -184,15 +186,19 @@ class Connection:
         """
         self._sock.send(encode_request(next(self._ids), "hello", {}))
         deadline = time.monotonic() + timeout  # the whole wait: a supervisor may be restarting it
-        while not self._sock.poll(0):
-            if self._dropped():  # the hello went down with the connection: nothing is coming
-                raise DaemonUnavailable(f"peerd daemon at {self.path} closed this connection before answering hello: "
-                                        f"{SHUT_DOWN_ADVICE}")
+        drops = 0  # one drop may be a restart, whose next daemon still gets the hello; each reconnect shut down
+        while not self._sock.poll(0):  # at once is a cap (peerd.connections): no answer is coming
+            drops += self._dropped()
+            if drops >= DROPS_THAT_ARE_A_CAP:
+                raise DaemonUnavailable(f"peerd daemon at {self.path} closed this connection {drops} times before "
+                                        f"answering hello: {SHUT_DOWN_ADVICE}")
             left = deadline - time.monotonic()
             if left <= 0:
                 why = ("nobody listens there: the socket is left from a daemon that stopped; start one with `peerd "
                        "serve` (it replaces a stale socket), or point PEERD_SOCKET at the one that runs"
-                       if not listened_at(self.path) else "it accepts connections but its loop does not answer")
+                       if not listened_at(self.path) else
+                       f"it closed this connection before answering: {SHUT_DOWN_ADVICE}" if drops else
+                       "it accepts connections but its loop does not answer")
                 raise DaemonUnavailable(f"peerd daemon at {self.path} did not answer hello within {timeout:g}s: {why}")
             self._poller.poll(int(left * 1000) + 1)
         frame = self._sock.recv(copy=False)
@@ -244,14 +250,14 @@ class Connection:
         if self._lost:
             raise DaemonUnavailable(f"peerd daemon at {self.path} went away ({self._lost})")
 
-    def _dropped(self) -> bool:
-        """Whether the monitor has reported the connection dropped since it was last read."""
-        dropped = False
+    def _dropped(self) -> int:
+        """How many times the monitor has reported the connection dropped since it was last read."""
+        dropped = 0
         while self._monitor.poll(0):
             # a monitor event is (uint16 event, uint32 value), then the endpoint; parsed
             # here because zmq.utils.monitor imports asyncio, 40 ms of every worker's start
             event = struct.unpack("=H", self._monitor.recv_multipart()[0][:2])[0]
-            dropped = dropped or event == zmq.EVENT_DISCONNECTED
+            dropped += event == zmq.EVENT_DISCONNECTED
         return dropped
 
     def call(self, op: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S,

@@ -24,6 +24,7 @@ class Membership:
     key: str
     rank: int
     npes: int
+    single: bool = False  # group None: a key nobody names again, so none to remember
 
 
 _pg_keys: dict[int, tuple[object, str]] = {}  # id(pg) -> (pg kept alive, key)
@@ -42,7 +43,8 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def remember(member: Membership) -> None:
-    _joined[member.key] = (member, os.getpid())
+    if not member.single:
+        _joined[member.key] = (member, os.getpid())
 
 
 def joined_by(key: str) -> int | None:
@@ -85,7 +87,7 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
     if group is None:  # the seeds' single rank: a key of its own, which no other set shares
         if rank not in (None, 0) or npes not in (None, 1):
             raise ValueError(f"group None is a single rank: rank={rank}, npes={npes} name more")
-        return Membership(f"single-{uuid.uuid4().hex}", 0, 1)
+        return Membership(f"single-{uuid.uuid4().hex}", 0, 1, single=True)
     if isinstance(group, str):
         if rank is None or npes is None:
             known = _joined.get(group)

@@ -21,6 +21,7 @@ hands handles only to processes entitled to them. Two layers:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import grp
@@ -129,9 +130,12 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
         if gid is not None:
             try:
                 os.fchown(fd, -1, gid)
-            except PermissionError:
-                os.rmdir(directory)  # empty, and made by this start: the next one makes it again
-                raise _group_refused(gid) from None
+            except OSError as err:  # EPERM; EINVAL: a gid this user namespace does not map
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)  # empty, and made by this start: the next one makes it again
+                if isinstance(err, PermissionError):
+                    raise _group_refused(gid) from None
+                raise
         return
     found = stat.S_IMODE(info.st_mode)
     if found != mode:

@@ -114,12 +114,15 @@ class Agreements:
         self.kept: dict[tuple[int | None, str], Agreement] = {}  # by (uid, group)
         self.voting: Index[int, tuple[int | None, str], Agreement] = Index()  # pid -> the agreements it votes in
         self.evicted: dict[tuple[int | None, str], set[int]] = {}  # by (uid, group): pids that voted before it
+        self.stopping: str | None = None  # why every round is False: the daemon drains
 
     def agree(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
         pid, uid = who.pid, who.uid
         group, rank, npes = req["group"], req["rank"], req["npes"]
         if invalid := rank_out_of_range(caller, group, rank, npes):
             return [invalid]
+        if self.stopping:
+            return [Send(caller, {"ok": False, "reason": self.stopping})]
         sizes = self._sets.group_sizes(uid, group)
         if sizes and npes not in sizes:  # else a stray vote could fix the group's npes before its members did
             return [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} agrees with npes={npes} but "
@@ -362,6 +365,16 @@ class Agreements:
         for rnd in agreement.rounds.values():
             if rnd.result is None and rank not in rnd.votes:
                 out += rnd.finish(False, agreement.absences([rank]))
+        return out
+
+    def drain(self, reason: str) -> Outbox:
+        """The daemon is stopping: every round still open, and every one asked for from now on, is False
+        with ``reason``, as on the groups' aborted pages."""
+        self.stopping = reason
+        out: Outbox = []
+        for agreement in self.kept.values():
+            for rnd in agreement.rounds.values():
+                out += rnd.finish(False, reason) if rnd.result is None else []
         return out
 
     def shutdown(self, error: ProtocolError) -> Outbox:

@@ -109,9 +109,10 @@ class Registry:
         out, ranks = self._sets.process_died(pid, now)
         return out + self._agreements.process_died(pid, ranks)
 
-    def drain(self) -> Outbox:
-        """The daemon is stopping: fail every rendezvous still waiting; live sets may finish."""
-        return self._sets.drain()
+    def drain(self, reason: str) -> Outbox:
+        """The daemon is stopping: fail every rendezvous still waiting, and every agreement round from now on
+        (their groups' pages are aborted with ``reason`` too); live sets keep their memory for the grace."""
+        return self._sets.drain() + self._agreements.drain(reason)
 
     def shutdown(self) -> Outbox:
         """Fail every wait, free every buffer: the daemon is going away."""

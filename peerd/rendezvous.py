@@ -162,7 +162,8 @@ class Rendezvous:
             return self._new_set(key, req["npes"], req["nbytes"], req["flags"], now), []
         taken = bset.slots.get(rank)
         if taken is not None:  # whatever it asks, a second claim on a rank cannot be this set's: only it is refused
-            bset.claimed_again[rank] = who.pid  # the usual sign of a rank mapping bug, for the timeout to name
+            if who.pid != taken.pid:  # the usual sign of a rank mapping bug, for the timeout to name
+                bset.claimed_again[rank] = who.pid
             message = f"rank {rank} of {bset.label} was already joined by pid {taken.pid}"
             return None, [refuse(caller, ErrorCode.RANK_TAKEN, message)]
         problem = bset.mismatch(req)

@@ -45,7 +45,10 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
     devices = backend.devices()
     connections = loop["connections"]
     if viewer not in registry.admins:  # who else is connected, and holds what, is the administrators' business
-        loop = {**loop, "connections": {**connections, "top_uids": [e for e in connections["top_uids"] if e[0] == viewer]}}
+        own = [e for e in connections["top_uids"] if e[0] == viewer]
+        loop = {**loop, "connections": {**connections, "top_uids": own},
+                "reload_failed": loop["reload_failed"] and "the last reload of the configuration failed (the daemon's "
+                                                           "log says why)"}
         devices = [{**d, "arenas": [a for a in d.get("arenas", []) if a["uid"] == viewer]} for d in devices]
     found = problems(registry, devices, stuck, viewer)
     if connections["open"] >= NEARLY * connections["max"]:
@@ -55,8 +58,7 @@ def status(registry: Registry, backend: MemoryBackend, instance: int, viewer: in
     if loop["metrics_unserved"]:  # a port another local user holds, or the daemon's user may not bind
         found.append(f"metrics (--metrics-port): {loop['metrics_unserved']}")
     if loop["reload_failed"]:  # what the file says, for the administrators; that it failed, for every probe
-        found.append(loop["reload_failed"] if viewer in registry.admins else
-                     "the last reload of the configuration failed (the daemon's log says why)")
+        found.append(loop["reload_failed"])
     if len(found) > MAX_PROBLEMS_SHOWN:
         found[MAX_PROBLEMS_SHOWN - 1:] = [f"and {len(found) - MAX_PROBLEMS_SHOWN + 1} more problems"]
     return {

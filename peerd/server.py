@@ -232,9 +232,10 @@ class Daemon:
                          "(send SIGINT or SIGTERM again, e.g. a second Ctrl-C, to stop at once)",
                          signal.Signals(signum).name, grace)
                 self._notifier.stopping(f"draining: {self._summary()}")
-                out += self.registry.drain()
-                self.pages.draining(f"the peerd daemon is stopping: release this group's buffers within {grace:g}s, "
-                                    "when it frees them")
+                stopping = (f"the peerd daemon is stopping: release this group's buffers within {grace:g}s, "
+                            "when it frees them")
+                out += self.registry.drain(stopping)
+                self.pages.draining(stopping)
             else:
                 log.info("%s again: stopping now", signal.Signals(signum).name)
                 self._stopping = True
@@ -462,11 +463,8 @@ class Daemon:
             return read[0]
 
         allowed = self.allowlist.admits(who.uid, who.gid, groups)
-        if not allowed and read == [None]:  # its connection is gone (shut down over a cap): no outsider to log
-            self._malformed.add("a message whose connection had closed before it was read (dropped)")
-            return []
         if not allowed:  # refused before its frame is decoded
-            return self._refuse(identity, who, payload.bytes)
+            return self._refuse(identity, who, payload.bytes, groups_unknown=read == [None])
         try:
             request = decode_request(payload.bytes)
         except ProtocolError as err:
@@ -508,14 +506,19 @@ class Daemon:
 
     # ------------------------------------------------------------ handlers
 
-    def _refuse(self, identity: bytes, who: Credentials, frame: bytes) -> Outbox:
-        """A caller outside the allowlist: a coded refusal, nothing else; logged once per connection."""
+    def _refuse(self, identity: bytes, who: Credentials, frame: bytes, groups_unknown: bool) -> Outbox:
+        """A caller outside the allowlist: a coded refusal, nothing else; logged once per connection. Where
+        its supplementary groups could not be read, the log says so: most often its connection was shut
+        down over a cap before its message was read, and the caller may well be allowed."""
         if identity not in self._refused:
             if len(self._refused) > 10_000:
                 self._refused.clear()
             self._refused.add(identity)
+            why = ("its uid and primary group are not allowed and its supplementary groups could not be read "
+                   "(its connection closed first, e.g. shut down over a cap)" if groups_unknown else
+                   "not in the allowlist")
             self._outsiders.add(f"uid {who.uid}, gid {who.gid}",
-                                f"refused pid {who.pid} (uid {who.uid}, gid {who.gid}): not in the allowlist")
+                                f"refused pid {who.pid} (uid {who.uid}, gid {who.gid}): {why}")
         try:
             request_id = request_id_of(msgpack.unpackb(frame)) if len(frame) <= 4096 else None
         except Exception:  # whatever it sent, the answer is the same

@@ -15,14 +15,13 @@ import os
 from .access import prepare_socket_dir, remove_stale_socket
 from .lockfile import SocketLock
 from .paths import fd_socket_path, lock_path
-from .trust import NotASocket
 
 
 class SocketClaim:
     """The socket's directory made safe, its lock held, what a gone daemon left there removed.
 
-    Raises UnsafeSocketDirectory, UnsafeLockFile, AlreadyRunning or
-    NotASocket, holding nothing then.
+    Raises UnsafeSocketDirectory, UnsafeLockFile, AlreadyRunning,
+    NotASocket or the OSError of an unlink, holding nothing then.
     """
 
     def __init__(self, path: str, dir_mode: int, gid: int | None):
@@ -32,7 +31,7 @@ class SocketClaim:
         try:
             remove_stale_socket(path)
             remove_stale_socket(fd_socket_path(path))
-        except NotASocket:
+        except BaseException:
             self._lock.release()
             raise
 

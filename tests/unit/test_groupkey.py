@@ -28,9 +28,12 @@ def test_integers_of_any_kind_count_and_other_values_are_left_for_the_protocols_
         assert resolve("k", other, 2, 1).rank is other
 
 
-def test_group_none_is_a_single_rank_of_a_key_of_its_own():
+def test_group_none_is_a_single_rank_of_a_key_of_its_own(monkeypatch):
     """The seeds' TP=1 form: group None raised TypeError, which no engine's fallback catches."""
+    monkeypatch.setattr(groupkey, "_joined", {})
     first, second = resolve(None, None, None, 1), resolve(None, 0, 1, 1)
+    remember(first)
+    assert groupkey._joined == {}, "a key nobody names again is not remembered: one entry per buffer, for life"
     assert (first.rank, first.npes) == (second.rank, second.npes) == (0, 1)
     assert first.key != second.key and first.key.startswith("single-"), (first, second)
     for rank, npes in ((1, None), (None, 2)):

@@ -1104,3 +1104,12 @@ def test_a_relaunch_after_every_process_of_a_failed_set_exited_starts_afresh(mem
     join(reg, 0, npes=3, pid=200)
     opened = bodies(join(reg, 1, npes=3, pid=201))
     assert len(opened) == 3 and all("handles" in b for b in opened.values()), opened
+
+
+def test_a_drain_makes_every_round_false_on_the_message_path_as_the_aborted_pages_do(reg):
+    """Groups without a control page (--control-pages false, or a page not made) kept agreeing through a
+    drain until their memory was freed under them: only the pages were aborted."""
+    assert agree(reg, 0) == [], "rank 0 waits for rank 1"
+    stopping = "the peerd daemon is stopping: release this group's buffers within 30s, when it frees them"
+    assert bodies(reg.drain(stopping)) == {("a", 0): {"ok": False, "reason": stopping}}
+    assert bodies(agree(reg, 1)) == {("a", 1): {"ok": False, "reason": stopping}}

@@ -1,5 +1,7 @@
 """What `peerd status` shows whom: a user sees its own connections and arenas, administrators everyone's."""
 
+import json
+
 from peerd import report
 from peerd.registry import Registry
 from tests.unit.test_groups import FakeMemory
@@ -29,6 +31,7 @@ def test_a_failed_reload_degrades_the_status_and_only_administrators_read_the_fi
     user = status_for(1000, reload_failed=failed)
     assert user["health"] == "degraded" and user["problems"] == [
         "the last reload of the configuration failed (the daemon's log says why)"]
+    assert "peerd.toml" not in json.dumps(user), "the file's words reach administrators alone, --json included"
     assert status_for(0, restart_pending=["backend"])["health"] == "healthy", "a pending restart is no problem"
 
 
