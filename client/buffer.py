@@ -83,7 +83,11 @@ class PeerBuffer:
         self._link: GroupLink | None = None
         self._addresses_copied = None  # a torch.cuda.Event: the address copy, until it is seen complete
         self._released = True
-        self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
+        try:
+            self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
+        except DaemonUnavailable:
+            _check_size(nbytes)  # a programming error outranks a missing daemon, whose fallback would hide it
+            raise
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
         rendezvous = timeout or conn.hello["rendezvous_timeout"]
         agreement = timeout or conn.hello["agreement_timeout"]
@@ -223,8 +227,7 @@ class PeerBuffer:
         ValueError of a size or device peerd does not serve.
         """
         try:
-            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-                raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+            _check_size(nbytes)
             self.device = worker_device(device)
             self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
             return self._mapper.device_identity(self.device.index)
@@ -373,6 +376,11 @@ class PeerBuffer:
             self._close(wait=False, collected=True)  # never block, nor synchronize a GPU, inside a collection
         except Exception:  # interpreter shutdown: nothing left to report to
             pass
+
+
+def _check_size(nbytes) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
 
 
 def _check_joined(joined: dict, backend: str, npes: int) -> None:

@@ -131,6 +131,13 @@ def test_a_rank_given_a_size_no_buffer_can_have_tells_its_peers_at_once(daemon):
     peer = finish(waiting, 60)
     assert peer["code"] == "GROUP_FAILED" and "rank 1" in peer["message"], peer
     assert "cannot take part: ValueError: nbytes must be a positive int, got 0" in peer["message"], peer
+    script = ("import torch\nfrom peerd_client import PeerBuffer\n"
+              "try:\n    PeerBuffer(0, 'zero', 1, 2, torch.device('cpu'))\nexcept Exception as err:\n"
+              "    print(type(err).__name__, err)\n")
+    env = {**os.environ, "PEERD_SOCKET": os.path.join(os.path.dirname(daemon.socket), "absent.sock")}
+    alone = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert alone.stdout == "ValueError nbytes must be a positive int, got 0\n", "not a DaemonUnavailable, which " \
+        f"an engine's fallback would swallow, where no daemon runs: {alone.stdout} {alone.stderr}"
 
 
 def test_a_socket_path_no_daemon_can_serve_is_a_daemon_unavailable_naming_peerd_socket(daemon):
