@@ -134,7 +134,7 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
                 with contextlib.suppress(OSError):
                     os.rmdir(directory)  # empty, and made by this start: the next one makes it again
                 if isinstance(err, PermissionError):
-                    raise _group_refused(gid) from None
+                    raise group_refused(gid) from None
                 raise
         return
     found = stat.S_IMODE(info.st_mode)
@@ -182,11 +182,11 @@ def secure_socket(path: str, gid: int | None) -> None:
         try:
             os.chown(path, -1, gid, follow_symlinks=False)
         except PermissionError:
-            raise _group_refused(gid) from None
+            raise group_refused(gid) from None
     os.chmod(path, 0o660)
 
 
-def _group_refused(gid: int) -> UnsafeSocketDirectory:
+def group_refused(gid: int) -> UnsafeSocketDirectory:
     """The kernel's EPERM for a socket group this daemon may not give: what it lacks, and the ways out."""
     return UnsafeSocketDirectory(
         f"this daemon ({describe_uid(os.geteuid())}) may not give its socket to the socket group "

@@ -374,3 +374,11 @@ def test_a_socket_group_the_daemon_may_not_give_is_named_and_nothing_is_left_beh
         assert f"may not give its socket to the socket group {SOCKET_GROUP}" in done.stderr, done.stderr
         assert "it is not a member and lacks CAP_CHOWN" in done.stderr, done.stderr
         assert not run_dir.exists(), "the directory this start made is gone with it"
+    run_dir.mkdir(mode=0o750)  # one that exists already (the unit's /run/peerd): found at the lock, before any GPU
+    os.chown(run_dir, uid, gid)
+    done = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "as_user.py"), f"{uid}:{gid}", "serve",
+                           "--backend", "cuda", "--socket", str(run_dir / "peerd.sock"), "--socket-group",
+                           SOCKET_GROUP], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"may not give its socket to the socket group {SOCKET_GROUP}" in done.stderr \
+        and "cuda-bindings" not in done.stderr, done.stderr
+    assert os.listdir(run_dir) == [], "no socket, no lock file left"
