@@ -123,11 +123,11 @@ def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid:
         )
     if created:
         os.fchmod(fd, mode)  # mkdir's mode went through the umask
-        if gid is not None and not mode & stat.S_IXGRP:
-            log.warning("socket directory %s is made with mode %04o (--socket-dir-mode), which keeps the members of "
-                        "the socket group %s out: give a mode with group search, e.g. 0750", directory, mode,
-                        describe_gid(gid))
         if gid is not None:
+            if not mode & stat.S_IXGRP:
+                log.warning("socket directory %s is made with mode %04o (--socket-dir-mode), which keeps the members "
+                            "of the socket group %s out: give a mode with group search, e.g. 0750", directory, mode,
+                            describe_gid(gid))
             try:
                 os.fchown(fd, -1, gid)
             except OSError as err:  # EPERM; EINVAL: a gid this user namespace does not map

@@ -66,9 +66,8 @@ class Metrics:
             why = ("ports below 1024 need root or CAP_NET_BIND_SERVICE, which the daemon's user lacks (the shipped "
                    "unit grants neither): pick a metrics_port of 1024 or more" if self.port < 1024 else
                    "a security policy keeps the daemon's user from binding it: pick another metrics_port")
-            log.error("metrics: cannot listen on 127.0.0.1:%d (%s): %s; serving on without metrics", self.port,
-                      err.strerror or err, why)
             self.unserved = f"cannot listen on 127.0.0.1:{self.port} ({err.strerror or err}): {why}"
+            log.error("metrics: %s; serving on without metrics", self.unserved)
             return True
         except OSError as err:
             self.unserved = (f"cannot listen on 127.0.0.1:{self.port} ({err.strerror or err}), trying again every "
