@@ -63,9 +63,16 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
 def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | None) -> bool | None:
     """The round on the group's control page, False for a set of an earlier daemon run;
     None where the group has no page (the daemon decides)."""
-    if member.rank != link.rank or member.npes != link.npes:
+    if member.rank != link.rank or member.npes != link.npes and (link.instance != instance or link.daemon_gone):
         raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but this "
                               f"process holds rank {link.rank} of {link.npes} in it", "MISMATCH")
+    if member.npes != link.npes:  # this rank's no ends the round its peers wait in, at once, not at its timeout
+        voter = link.voter
+        if voter is None:
+            return None  # the daemon refuses it, and votes that no (peerd.agreements)
+        _round_on_page(voter, member.key, False, timeout)
+        raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but the "
+                              f"group has npes={link.npes}: this rank voted no in the round", "MISMATCH")
     if link.instance != instance:
         log.warning("tp_agree on group=%s is False: its buffers came from daemon instance %s, the daemon now "
                     "is instance %s (it restarted): build the PeerBuffer again", member.key,

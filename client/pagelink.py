@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from peerd.controlpage import PAGE_HANDLES, AbortCode, ControlPage
+from peerd.controlpage import COMMIT_ROUND, PAGE_HANDLES, AbortCode, ControlPage
 from peerd.pagearea import Area
 from peerd.fdchannel import FdRequest
 from peerd.pageagree import PageVoter, native_voter
@@ -219,7 +219,7 @@ class GroupLink:
     def commit(self, timeout: float) -> dict:
         """The set's commit vote, on the page (COMMIT_ROUND): ``{ok, reason}`` as the daemon answers
         it, and ``aborted``: whether the reason came from the daemon (else this rank's round failed)."""
-        self.voter = PageVoter(self.page, self.rank, self.label)
+        self.voter = PageVoter(self.page, self.rank, self.label, commit_rounds=COMMIT_ROUND)
         verdict = self.voter.agree(True, time.monotonic() + timeout)
         if verdict.ok:
             return {"ok": True, "reason": "", "aborted": False}

@@ -123,11 +123,13 @@ class Agreements:
             return [invalid]
         if self.stopping:
             return [Send(caller, {"ok": False, "reason": self.stopping})]
-        sizes = self._sets.group_sizes(uid, group)
-        if sizes and npes not in sizes:  # else a stray vote could fix the group's npes before its members did
-            return [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} agrees with npes={npes} but "
-                                                       f"the group's buffer sets have npes={min(sizes)}")]
         holders = self._sets.pids_holding_rank(uid, group, rank)
+        sizes, expected = self._sets.group_sizes(uid, group), npes
+        if sizes and npes not in sizes:  # else a stray vote could fix the group's npes before its members did
+            if pid not in holders or len(sizes) > 1:
+                return [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} agrees with npes={npes} "
+                                                           f"but the group's buffer sets have npes={min(sizes)}")]
+            expected = min(sizes)  # the rank's holder got its npes wrong: its peers' round fails, below
         if holders and pid not in holders:
             return [refuse(caller, ErrorCode.NOT_MEMBER, f"rank {rank} of group={group} is held by pid "
                            f"{', '.join(map(str, sorted(holders)))} (a buffer set of it), not pid {pid}: "
@@ -138,12 +140,23 @@ class Agreements:
                 return [Send(caller, {"ok": False, "reason": f"group={group} was evicted by an administrator: "
                                                              "build the PeerBuffer again"})]
             self._forgive(uid, group, pid)
-        out, agreement = self._agreement_for(caller, pid, uid, group, rank, npes)
+        out, agreement = self._agreement_for(caller, pid, uid, group, rank, expected)
         if agreement is None:
             return out
         if agreement.npes != npes:
-            message = f"rank {rank} of group={group} agrees with npes={npes} but the group has npes={agreement.npes}"
-            return out + [refuse(caller, ErrorCode.MISMATCH, message)]
+            wrong = f"called tp_agree with npes={npes}, but the group has npes={agreement.npes}"
+            if agreement.pids.get(rank, pid) == pid and rank < agreement.npes:
+                # the rank's own voter: its no fails its peers' round at once, where they would wait out the
+                # timeout blaming an absent rank (on the control page: peerd_client.agree)
+                out += self._enter(None, agreement, rank, pid, holders, False, wrong, req["timeout"], now)
+            return out + [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} {wrong}")]
+        return out + self._enter(caller, agreement, rank, pid, holders, req["ok"], "", req["timeout"], now)
+
+    def _enter(self, caller: Caller | None, agreement: Agreement, rank: int, pid: int, holders: set[int], ok: bool,
+               reason: str, timeout: float | None, now: float) -> Outbox:
+        """``pid``'s vote for ``rank`` in its next round; ``caller`` None: nobody waits for the verdict here."""
+        out: Outbox = []
+        group, uid = agreement.group, agreement.owner_uid
         if holders and agreement.pids.get(rank, pid) not in holders:  # another process holds the rank now (the
             self._hand_over(agreement, rank, pid)  # one that voted released it): it goes on from the rank's count
         owner = agreement.pids.setdefault(rank, pid)
@@ -160,23 +173,24 @@ class Agreements:
                 log.warning("group=%s agreement rounds from %d on: False (%s)", group, k, ahead)
             if agreement.beyond and k >= agreement.beyond:
                 agreement.calls[rank] = k
-                out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
-                                                                f"{agreement.beyond_reason}"}))
+                if caller is not None:
+                    out.append(Send(caller, {"ok": False, "reason": f"agreement round {k} of group={group}: "
+                                                                    f"{agreement.beyond_reason}"}))
                 return out + self._collect(agreement)  # the last rank to enter the last such round: in step
             refusal = self._quotas.round_refusal(agreement)
             if refusal:
-                return out + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
-            rnd = agreement.rounds[k] = Round(npes)
+                return out + ([] if caller is None else [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)])
+            rnd = agreement.rounds[k] = Round(agreement.npes)
             self._quotas.count_open_round(uid, 1)
             rnd.on_settle = lambda: self._quotas.count_open_round(uid, -1)
         if rnd.result is None:
-            self._time_round(agreement, k, rnd, req["timeout"] or self._waits.agreement, now)
+            self._time_round(agreement, k, rnd, timeout or self._waits.agreement, now)
         agreement.calls[rank] = k
         settled = rnd.result is not None
         if settled:
-            out.append(rnd.answer(caller))
+            out += [] if caller is None else [rnd.answer(caller)]
         else:
-            out += rnd.vote(rank, req["ok"], "", caller)
+            out += rnd.vote(rank, ok, reason, caller)
             absent = [r for r in rnd.missing() if not agreement.present(r)]
             if absent and rnd.result is None:
                 out += rnd.finish(False, agreement.absences(absent))

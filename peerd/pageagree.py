@@ -58,7 +58,10 @@ class PageVoter:
     The round itself runs in C (peerd/_pagevote.c, the rules above); this
     class says why a round was False."""
 
-    def __init__(self, page: ControlPage, rank: int, label: str = "", spin_s: float | None = None):
+    def __init__(self, page: ControlPage, rank: int, label: str = "", spin_s: float | None = None,
+                 commit_rounds: int = 0):
+        """``commit_rounds``: the page's first rounds that are the set's commit vote (COMMIT_ROUND on a
+        buffer set's page), so a reason numbers the rounds after them as tp_agree's callers count theirs."""
         if not 0 <= rank < page.npes:
             raise ValueError(f"rank {rank} is out of range for the control page's npes={page.npes}")
         self.page, self.rank, self.label = page, rank, label or "this group"
@@ -68,6 +71,7 @@ class PageVoter:
         self.closed = False  # its buffer was closed: no round starts on a page that may soon be another set's
         self._slots = [page.word(slot_offset(r)) for r in range(page.npes)]
         self._ballots = [page.word(slot_offset(r) + OFF_VOTES) for r in range(page.npes)]
+        self._commit_rounds = commit_rounds
 
     def close(self) -> None:
         """The buffer is closing: a round under way ends as it would; none starts after this."""
@@ -109,6 +113,10 @@ class PageVoter:
             self._turn.release()
         return AGREED if word is True else self._read(k, word)
 
+    def _round_name(self, k: int) -> str:
+        """Round k as its callers count it: the commit vote, or the n-th tp_agree call's round n."""
+        return "the commit vote" if k <= self._commit_rounds else f"agreement round {k - self._commit_rounds}"
+
     @staticmethod
     def _behind(word: int, k: int) -> bool:
         """The entry holds a later round than k: k's verdict was settled and its entry reused."""
@@ -134,21 +142,21 @@ class PageVoter:
     def _read(self, k: int, word: int) -> Verdict:
         """Round k's Verdict from its entry ``word``, with the reason a False one needs."""
         if self._behind(word, k):
-            return Verdict(False, f"agreement round {k} of {self.label} was settled and forgotten: rank "
+            return Verdict(False, f"{self._round_name(k)} of {self.label} was settled and forgotten: rank "
                                   f"{self.rank} is more than {RING} rounds behind its peers")
         _, outcome, rank = decode_verdict(word)
         if outcome == Outcome.VOTED_NO:
             ranks = self._no_votes(k) or [rank]
-            return Verdict(False, f"agreement round {k} of {self.label}: rank(s) {ranks} voted no")
+            return Verdict(False, f"{self._round_name(k)} of {self.label}: rank(s) {ranks} voted no")
         if outcome == Outcome.ABORTED:
             aborted = self.page.aborted() if rank != DAEMON_RANK else self._daemons_abort()
-            return Verdict(False, f"agreement round {k} of {self.label} ended: "
+            return Verdict(False, f"{self._round_name(k)} of {self.label} ended: "
                                   f"{aborted.reason if aborted else 'the group was aborted'}")
         missing = [r for r, s in enumerate(self._slots) if s.value < k]  # still: the ranks to blame
         if rank == self.rank:
-            return Verdict(False, f"agreement round {k} of {self.label} timed out waiting for rank(s) {missing}")
+            return Verdict(False, f"{self._round_name(k)} of {self.label} timed out waiting for rank(s) {missing}")
         if missing:
-            return Verdict(False, f"agreement round {k} of {self.label} timed out waiting for rank(s) {missing} "
+            return Verdict(False, f"{self._round_name(k)} of {self.label} timed out waiting for rank(s) {missing} "
                                   f"(rank {rank}'s deadline passed first)")
-        return Verdict(False, f"agreement round {k} of {self.label} timed out: rank {rank} stopped waiting "
+        return Verdict(False, f"{self._round_name(k)} of {self.label} timed out: rank {rank} stopped waiting "
                               f"before every rank voted")

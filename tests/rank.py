@@ -57,6 +57,23 @@ def agree(args) -> dict:
     }
 
 
+def agree_npes(args) -> dict:
+    """Hold a set of the group, then two rounds: the first as one of --agree-npes (a wrong npes on one rank),
+    the second as the group's npes. Each round's verdict or error, and how long it took."""
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    rounds = []
+    with PeerBuffer(args.nbytes, args.group, args.rank, args.npes):
+        for npes in (args.agree_npes or args.npes, args.npes):
+            start = time.monotonic()
+            try:
+                verdict = tp_agree(True, args.group, args.rank, npes, timeout=args.timeout)
+            except MonoUnsupported as err:
+                verdict = {"code": err.code, "message": str(err)}
+            rounds.append({"verdict": verdict, "seconds": time.monotonic() - start})
+    return {"rounds": rounds}
+
+
 def join(args) -> dict:
     """Join and hold the buffer set for --hold seconds (a negative hold: until a line on stdin)."""
     from peerd_client import PeerBuffer
@@ -1050,6 +1067,7 @@ SCENARIOS = {
     "vote_behind_busy_thread": vote_behind_busy_thread,
     "vote": vote,
     "pipeline": pipeline,
+    "agree_npes": agree_npes,
 }
 
 
@@ -1079,6 +1097,7 @@ def main() -> None:
     parser.add_argument("--group", default="test-group")
     parser.add_argument("--name", default="default")
     parser.add_argument("--votes", default="1")
+    parser.add_argument("--agree-npes", type=int, default=None, help="agree_npes: the first round's npes")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--linger", action="store_true", help="after the result, live on until a line on stdin")

@@ -65,6 +65,24 @@ def test_mismatched_npes_fails_every_rank(daemon):
         assert "npes=3 but rank 0 (pid" in r["message"] and "npes=2" in r["message"]
 
 
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+def test_tp_agree_with_a_wrong_npes_fails_its_peers_round_at_once(daemon, pages):
+    """Rank 1 calls tp_agree as one of 3 in a group of 2: it raises MISMATCH, and its no ends rank 0's round
+    at once (rank 0 waited out the 30 s timeout, told rank 1 was absent); the next round finds both in step."""
+    if not pages:
+        daemon.stop()
+        daemon.args = ("--control-pages", "false")
+        daemon.start()
+    procs = [start_rank(daemon, "agree_npes", r, 2, "--group", "wrong-npes", "--timeout", "30",
+                        *(["--agree-npes", "3"] if r == 1 else [])) for r in range(2)]
+    first, wrong = (finish(p)["rounds"] for p in procs)
+    assert wrong[0]["verdict"]["code"] == "MISMATCH" and "npes=2" in wrong[0]["verdict"]["message"], wrong
+    assert first[0]["verdict"] is False and first[0]["seconds"] < 15, first
+    assert first[1]["verdict"] is True and wrong[1]["verdict"] is True, (first, wrong)
+    if not pages:
+        assert "rank 1: called tp_agree with npes=3, but the group has npes=2" in daemon.logs()
+
+
 def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(daemon):
     results = run_ranks(daemon, "join", 4, "--group", "lonely", "--timeout", "1", ranks=[0, 2])
     for r in results:

@@ -103,7 +103,9 @@ def test_a_group_agrees_on_its_page_and_hears_a_death_with_the_reason(daemon):
         assert "MEMBER_DIED" in checked["message"] and f"pid {victim.proc.pid}" in checked["message"], checked
     assert [r["value"] for r in ask_all(members[:2], "agree")] == [False, False]
     for m in members[:2]:
-        m.end()
+        said = m.end()
+        assert "tp_agree on group=paged is False: agreement round 2 of group=paged" in said, \
+            "the reason numbers the round as the caller counts its calls, not from the page's commit vote"
 
 
 def without_pages(daemon) -> None:
@@ -254,10 +256,18 @@ def test_garbage_over_a_members_whole_area_leaves_every_other_users_group_alone(
 
 
 def test_a_vote_with_another_rank_or_npes_than_the_groups_is_refused(daemon):
-    members = group_of(daemon, "strict", 2)
-    for command in ("agree 1 2", "agree 0 3"):
-        refused = members[0].ask(command)
-        assert not refused["ok"] and refused["code"] == "MISMATCH", refused
+    """A vote for a rank this process does not hold counts for nothing; a vote of its own rank with a wrong
+    npes is this rank's no in its round, so its peer hears False at once, not at the round's 60 s timeout."""
+    members = group_of(daemon, "strict", 2, "--timeout", "60")
+    refused = members[0].ask("agree 1 2")
+    assert not refused["ok"] and refused["code"] == "MISMATCH", refused
+    began = time.monotonic()
+    for m, command in zip(members, ("agree 0 3", "agree")):
+        m.proc.stdin.write(command + "\n")
+        m.proc.stdin.flush()
+    wrong, peer = (m.read() for m in members)
+    assert not wrong["ok"] and wrong["code"] == "MISMATCH" and "npes=2" in wrong["message"], wrong
+    assert peer == {"ok": True, "value": False} and time.monotonic() - began < 30, peer
     assert [r["value"] for r in ask_all(members, "agree")] == [True, True]
     for m in members:
         m.end()

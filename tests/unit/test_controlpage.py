@@ -204,6 +204,21 @@ def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages, no_slices):
     assert ctypes.c_uint32.from_address(page.address + cp.OFF_SLEEPERS).value == 0
 
 
+def test_reasons_number_the_rounds_after_the_commit_vote_as_tp_agree_calls(pages):
+    """A buffer set's page holds its commit vote as round 1: its voters' first tp_agree call is round 2 there,
+    and its reason says "agreement round 1", as the daemon's message path numbers a caller's first call."""
+    page = pages(2)
+    first, second = (PageVoter(p, r, "group=g", commit_rounds=cp.COMMIT_ROUND) for r, p in enumerate((page, twin(page))))
+    verdicts = []
+    for ok in (True, False):
+        t = threading.Thread(target=lambda o=ok: verdicts.append(second.agree(o, time.monotonic() + 600)))
+        t.start()
+        verdicts.append(first.agree(True, time.monotonic() + 600))
+        t.join(60)
+    assert verdicts[:2] == [cp.Verdict(True)] * 2
+    assert verdicts[2:] == [cp.Verdict(False, "agreement round 1 of group=g: rank(s) [1] voted no")] * 2
+
+
 def test_the_first_proposal_settles_a_round_for_everyone(pages):
     page = pages(2)
     a, b = PageVoter(page, 0), PageVoter(twin(page), 1)

@@ -422,6 +422,15 @@ def test_a_vote_with_another_npes_than_the_groups_sets_is_refused_and_fixes_noth
     assert verdict[("a", 0)] == verdict[("a", 1)] == {"ok": True, "reason": ""}
 
 
+def test_a_holder_voting_with_another_npes_than_its_set_fails_its_peers_round_at_once(reg):
+    """The holder of rank 1 of the group's 2-rank set votes first, as one of 3: refused, and rank 0's round
+    of the group's agreement (of 2, its set's npes) is False as soon as rank 0 votes."""
+    live_set(reg)
+    assert errors(agree(reg, 1, npes=3, group="g"))[("a", 1)].code is ErrorCode.MISMATCH
+    verdict = bodies(agree(reg, 0, group="g"))[("a", 0)]
+    assert verdict["ok"] is False and "rank 1: called tp_agree with npes=3" in verdict["reason"], verdict
+
+
 def test_a_round_ends_at_the_earliest_deadline_of_its_voters(reg):
     """A later voter's shorter timeout ends the round for every rank, as on the page: the daemon kept the
     first voter's 20 s, so the second's client gave up at its own 1 s (DaemonUnavailable, not False)."""
@@ -506,8 +515,15 @@ def test_a_buffer_set_member_that_dies_fails_its_groups_agreement(reg):
 
 
 def test_agreement_npes_mismatch_and_impostor(reg):
+    """A rank that gets npes wrong is refused, and its no ends the round its peer waits in at once (it
+    waited out the timeout, blaming rank 1 as absent); the next round finds both in step."""
     agree(reg, 0, npes=2)
-    assert errors(agree(reg, 1, npes=3))[("a", 1)].code is ErrorCode.MISMATCH
+    out = agree(reg, 1, npes=3)
+    assert errors(out)[("a", 1)].code is ErrorCode.MISMATCH
+    assert bodies(out)[("a", 0)] == {"ok": False, "reason": "rank 1: called tp_agree with npes=3, but the group "
+                                                            "has npes=2"}
+    agree(reg, 0, npes=2)
+    assert bodies(agree(reg, 1, npes=2))[("a", 1)] == {"ok": True, "reason": ""}
     impostor = reg.agree(("x", 0), who(999), {"group": "a", "rank": 0, "npes": 2, "ok": True, "timeout": None}, 0.0)
     assert errors(impostor)[("x", 0)].code is ErrorCode.NOT_MEMBER
 
