@@ -73,7 +73,11 @@ class PeerBuffer:
         timeout: float | None = None,
     ):
         nbytes = integral(nbytes)
-        checked_timeout("PeerBuffer", timeout)
+        try:
+            checked_timeout("PeerBuffer", timeout)
+            unusable = None
+        except MonoUnsupported as err:  # raised once the peers were told (_take_part)
+            unusable, timeout = err, None
         require_torch()  # before any call to the daemon: without torch, nothing is asked of it
         finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
         self._pid = os.getpid()
@@ -87,6 +91,8 @@ class PeerBuffer:
             self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
         except DaemonUnavailable:
             _check_size(nbytes)  # a programming error outranks a missing daemon, whose fallback would hide it
+            if unusable is not None:
+                raise unusable from None
             raise
         # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
         rendezvous = timeout or conn.hello["rendezvous_timeout"]
@@ -96,7 +102,7 @@ class PeerBuffer:
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
         where = f"group={member.key} name={name} rank {member.rank}"
-        device_identity = self._take_part(conn, member, nbytes, device, where)
+        device_identity = self._take_part(conn, member, nbytes, device, where, unusable)
 
         try:
             joined = conn.call(
@@ -218,15 +224,19 @@ class PeerBuffer:
             self._addresses_copied = torch.cuda.Event()
             self._addresses_copied.record(torch.cuda.current_stream(self.device))
 
-    def _take_part(self, conn, member: Membership, nbytes: int, device, where: str) -> str:
+    def _take_part(self, conn, member: Membership, nbytes: int, device, where: str,
+                   unusable: MonoUnsupported | None) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
 
-        A rank whose size, device or backend is unusable here tells the daemon,
-        so its peers fail at once with the reason instead of waiting out the
-        rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE), or the
-        ValueError of a size or device peerd does not serve.
+        A rank whose size, timeout, device or backend is unusable here tells
+        the daemon, so its peers fail at once with the reason instead of
+        waiting out the rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE,
+        or ``unusable``: its timeout's BAD_REQUEST), or the ValueError of a size
+        or device peerd does not serve.
         """
         try:
+            if unusable is not None:
+                raise unusable
             _check_size(nbytes)
             self.device = worker_device(device)
             self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
@@ -239,7 +249,7 @@ class PeerBuffer:
                                            "reason": reason[:MAX_REASON_CHARS]})
             except MonoUnsupported as refused:
                 log.warning("%s: the daemon did not take the withdrawal: %s", where, refused)
-            if isinstance(err, (ValueError, TypeError)):
+            if isinstance(err, (ValueError, TypeError)) or err is unusable:
                 raise
             raise MonoUnsupported(f"this rank cannot take part ({where}): {reason}", BACKEND_UNAVAILABLE) from err
 

@@ -123,13 +123,20 @@ class Rendezvous:
     # ------------------------------------------------------------ join and withdraw
 
     def join(self, caller: Caller, who: Credentials, req: dict[str, Any], now: float) -> Outbox:
-        rank, npes = req["rank"], req["npes"]
+        """A refused join fails the rendezvous its peers wait in (as a withdrawal does), so they hear why at
+        once instead of waiting it out for a rank that never comes."""
+        rank, npes, key = req["rank"], req["npes"], (who.uid, req["group"], req["name"])
         if invalid := rank_out_of_range(caller, req["group"], rank, npes):
-            return [invalid]
+            bset = self.index.current.get(key)
+            if bset is None or bset.state is not State.JOINING:
+                return [invalid]
+            message = f"pid {who.pid} asked to join {bset.label} as rank {rank} of npes={npes}, a rank it does not have"
+            return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [invalid]
         refusal = self._quotas.shape_refusal(req)
         if refusal:
-            return [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
-        bset, out = self._set_to_join(caller, who, (who.uid, req["group"], req["name"]), req, now)
+            failed, _ = self._cannot_take_part(caller, who, req, refusal, now)
+            return failed + [refuse(caller, ErrorCode.LIMIT_EXCEEDED, refusal)]
+        bset, out = self._set_to_join(caller, who, key, req, now)
         if bset is None:
             return out
         return self._take_slot(bset, caller, who, req, now)
@@ -230,23 +237,29 @@ class Rendezvous:
         The verdict is a failed set like any other (its rendezvous had no
         memory yet). See Note [Failure verdicts are kept].
         """
-        key, pid = (who.uid, req["group"], req["name"]), who.pid
-        rank, npes = req["rank"], req["npes"]
-        if invalid := rank_out_of_range(caller, req["group"], rank, npes):
+        if invalid := rank_out_of_range(caller, req["group"], req["rank"], req["npes"]):
             return [invalid]
-        message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {req['reason']}"
+        failed, refused = self._cannot_take_part(caller, who, req, req["reason"], now)
+        return [refused] if refused else failed + [Send(caller, {})]
+
+    def _cannot_take_part(self, caller: Caller, who: Credentials, req: dict[str, Any], reason: str,
+                          now: float) -> tuple[Outbox, Send | None]:
+        """Fail the rendezvous of the key ``req`` names for ``reason``: the ranks waiting hear it now, those
+        still to come on arrival; or the refusal of a rank this process still holds in the key's live set."""
+        key, pid, rank = (who.uid, req["group"], req["name"]), who.pid, req["rank"]
         bset = self.index.current.get(key)
         if bset is not None and bset.state is not State.JOINING:
             refused = self._supersede(bset, rank, caller, "", pid)
             if refused:
-                return [refused]
+                return [], refused
             bset = None
         if bset is None:
             if self._room_refusal(key):
-                return [Send(caller, {})]  # no room to keep the verdict: the others time out instead
-            bset = self._new_set(key, npes, 0, 0, now)
+                return [], None  # no room to keep the verdict: the others time out instead
+            bset = self._new_set(key, req["npes"], 0, 0, now)
         bset.heard(rank, pid)
-        return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [Send(caller, {})]
+        message = f"rank {rank} (pid {pid}) of group={key[1]} name={key[2]} cannot take part: {reason}"
+        return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now), None
 
     def _supersede(self, bset: BufferSet, rank: int, caller: Caller, advice: str, pid: int) -> Send | None:
         """A new rendezvous of a key whose set is past joining: refused while ``rank`` still holds the

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
 
 
@@ -138,6 +140,23 @@ def test_a_rank_given_a_size_no_buffer_can_have_tells_its_peers_at_once(daemon):
     alone = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert alone.stdout == "ValueError nbytes must be a positive int, got 0\n", "not a DaemonUnavailable, which " \
         f"an engine's fallback would swallow, where no daemon runs: {alone.stdout} {alone.stderr}"
+
+
+@pytest.mark.parametrize("rank, wrong, code, told", [
+    (1, ("--timeout=-1",), "BAD_REQUEST", "rank 1 (pid {pid}) of group=refused name=default cannot take "
+                                                      "part: MonoUnsupported: PeerBuffer: field 'timeout' must be"),
+    (2, (), "RANK_INVALID", "pid {pid} asked to join group=refused name=default as rank 2 of npes=2"),
+], ids=["timeout", "rank"])
+def test_a_rank_refused_at_its_join_tells_its_peers_at_once(daemon, rank, wrong, code, told):
+    """A rank past npes, or with a timeout no wait can honour, was refused alone: its peers waited out the
+    rendezvous (600 s here) and were told it "never joined"."""
+    waiting = start_rank(daemon, "join", 0, 2, "--group", "refused", "--timeout", "600")
+    wait_until(lambda: "group=refused name=default rank=0" in daemon.logs(), 90, "rank 0 to join")
+    bad = start_rank(daemon, "join", rank, 2, "--group", "refused", *wrong)
+    refused = finish(bad, 60)
+    assert refused["code"] == code, refused
+    peer = finish(waiting, 60)
+    assert peer["code"] == "GROUP_FAILED" and told.format(pid=bad.pid) in peer["message"], peer
 
 
 def test_a_socket_path_no_daemon_can_serve_is_a_daemon_unavailable_naming_peerd_socket(daemon):

@@ -176,6 +176,25 @@ def test_rank_out_of_range_and_taken(reg):
     assert taken.code is ErrorCode.RANK_TAKEN and "already joined by pid 100" in taken.message
 
 
+def test_a_join_refused_for_its_rank_or_size_fails_the_rendezvous_its_peers_wait_in(mem):
+    """A rank past npes, or over --max-buffer-bytes, is refused, and rank 0, already waiting, hears why at once;
+    a rank still to come hears the kept verdict (both waited out the rendezvous for a rank that never came)."""
+    reg = Registry(mem.allocate, mem.free, limits=Limits(max_buffer_bytes=100))
+    join(reg, 0)
+    out = join(reg, 2)
+    assert errors(out)[("c", 2)].code is ErrorCode.RANK_INVALID
+    waiting = errors(out)[("c", 0)]
+    assert waiting.code is ErrorCode.GROUP_FAILED and "pid 102 asked to join group=g name=n as rank 2 of npes=2" \
+        in waiting.message, waiting
+    assert errors(join(reg, 1))[("c", 1)].code is ErrorCode.GROUP_FAILED, "the kept verdict"
+    big = errors(join(reg, 1, nbytes=101, name="big"))
+    assert big[("c", 1)].code is ErrorCode.LIMIT_EXCEEDED and "limit of 100 bytes" in big[("c", 1)].message
+    told = errors(join(reg, 0, name="big"))[("c", 0)]
+    assert told.code is ErrorCode.GROUP_FAILED and "rank 1 (pid 101) of group=g name=big cannot take part: " \
+        "nbytes=101" in told.message, told
+    assert mem.live == {}
+
+
 def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(reg, mem):
     join(reg, 0, npes=4, now=0.0)
     join(reg, 2, npes=4, now=1.0)
