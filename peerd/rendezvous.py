@@ -378,6 +378,12 @@ class Rendezvous:
         if missing and bset.claimed_again:
             twice = ", ".join(f"rank {r} by pid {pid}" for r, pid in sorted(bset.claimed_again.items()))
             why += f"; a rank was asked for again ({twice}): do two processes take one rank?"
+        elsewhere = [f"rank {s.rank} (pid {s.pid}) waits in name={other.name}" for other in self.index.of_group(
+            bset.owner_uid, bset.group) if other is not bset and other.state is State.JOINING
+            for s in other.slots.values() if s.rank in missing and s.waiter is not None]
+        if elsewhere:  # its join could not go out (peerd_client.connection.Connection.call)
+            why += (f"; {', '.join(elsewhere)}, another set of the group: one process's calls take turns, so every "
+                    "rank must build the sets of a group in the same order")
         message = f"rendezvous of {bset.label} timed out after {waited:.1f}s: {why}"
         return self._fail(bset, ErrorCode.TIMEOUT, message, now=now)
 

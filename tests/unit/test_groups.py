@@ -195,6 +195,17 @@ def test_a_join_refused_for_its_rank_or_size_fails_the_rendezvous_its_peers_wait
     assert mem.live == {}
 
 
+def test_a_rendezvous_timeout_names_a_missing_rank_waiting_in_another_set_of_the_group(reg):
+    """Rank 1's process waits in set b of the group while set a waits for its rank 1: two threads of each
+    process built the sets in opposite orders, and one process's calls take turns. Said "never joined"."""
+    join(reg, 0, name="a")
+    join(reg, 1, name="b")
+    failed = errors(reg.expire(10.0))
+    assert "rank(s) [1] of 2 never joined" in failed[("c", 0)].message
+    assert "rank 1 (pid 101) waits in name=b, another set of the group" in failed[("c", 0)].message, failed
+    assert "build the sets of a group in the same order" in failed[("c", 0)].message
+
+
 def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(reg, mem):
     join(reg, 0, npes=4, now=0.0)
     join(reg, 2, npes=4, now=1.0)
