@@ -63,7 +63,7 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
 def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | None) -> bool | None:
     """The round on the group's control page, False for a set of an earlier daemon run;
     None where the group has no page (the daemon decides)."""
-    if member.rank != link.rank or member.npes != link.npes and (link.instance != instance or link.daemon_gone):
+    if member.rank != link.rank or (member.npes != link.npes and (link.instance != instance or link.daemon_gone)):
         raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but this "
                               f"process holds rank {link.rank} of {link.npes} in it", "MISMATCH")
     if member.npes != link.npes:  # this rank's no ends the round its peers wait in, at once, not at its timeout
