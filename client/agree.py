@@ -15,6 +15,11 @@ from .pagelink import GroupLink, link_for
 
 log = logging.getLogger("peerd_client")
 
+#: How long a tp_agree with a wrong npes waits on the control page for its peers to reach its round, so they
+#: read its no; then it times the round out (its peers hear False all the same) and raises MISMATCH. On the
+#: daemon's message path the call is refused at once and its no stays in the round.
+WRONG_NPES_WAIT_S = 1.0
+
 
 def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, timeout: float | None = None) -> bool:
     """True when every rank of ``group`` passed ``ok`` true. Every rank must call
@@ -70,7 +75,7 @@ def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | 
         voter = link.voter
         if voter is None:
             return None  # the daemon refuses it, and votes that no (peerd.agreements)
-        _round_on_page(voter, member.key, False, timeout)
+        _round_on_page(voter, member.key, False, min(timeout, WRONG_NPES_WAIT_S))
         raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but the "
                               f"group has npes={link.npes}: this rank voted no in the round", "MISMATCH")
     if link.instance != instance:

@@ -26,6 +26,15 @@ log = logging.getLogger("peerd_client")
 DEFAULT_NAME = "default"
 
 
+def _unusable_timeout(timeout) -> MonoUnsupported | None:
+    """The BAD_REQUEST of a ``timeout=`` no wait can honour, or None."""
+    try:
+        checked_timeout("PeerBuffer", timeout)
+    except MonoUnsupported as err:
+        return err
+    return None
+
+
 def _member_fds(conn: Connection, slot: dict, handles: list[bytes]) -> list[int]:
     """This rank's set as fds from the daemon's fd channel, in the order of ``handles``."""
     path = fd_socket_path(conn.path)
@@ -73,32 +82,32 @@ class PeerBuffer:
         timeout: float | None = None,
     ):
         nbytes = integral(nbytes)
+        unusable = _unusable_timeout(timeout)  # told to the peers (_take_part), else raised before any other error
         try:
-            checked_timeout("PeerBuffer", timeout)
-            unusable = None
-        except MonoUnsupported as err:  # raised once the peers were told (_take_part)
-            unusable, timeout = err, None
-        require_torch()  # before any call to the daemon: without torch, nothing is asked of it
-        finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
-        self._pid = os.getpid()
-        self._taking = threading.Lock()  # what a close takes to give back, taken once
-        self._handles: list[bytes] = []
-        self._chunks: list[ChunkKey] = []
-        self._link: GroupLink | None = None
-        self._addresses_copied = None  # a torch.cuda.Event: the address copy, until it is seen complete
-        self._released = True
-        try:
-            self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
-        except DaemonUnavailable:
-            _check_size(nbytes)  # a programming error outranks a missing daemon, whose fallback would hide it
+            require_torch()  # before any call to the daemon: without torch, nothing is asked of it
+            finish_waiting()  # buffers closed inside a CUDA graph capture: released now (peerd_client.teardown)
+            self._pid = os.getpid()
+            self._taking = threading.Lock()  # what a close takes to give back, taken once
+            self._handles: list[bytes] = []
+            self._chunks: list[ChunkKey] = []
+            self._link: GroupLink | None = None
+            self._addresses_copied = None  # a torch.cuda.Event: the address copy, until it is seen complete
+            self._released = True
+            try:
+                self._conn = conn = connection(starting_over=True)  # its deadlines come from a daemon that runs
+            except DaemonUnavailable:
+                _check_size(nbytes)  # a programming error outranks a missing daemon, whose fallback would hide it
+                raise
+            # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
+            timeout = None if unusable else timeout
+            rendezvous = timeout or conn.hello["rendezvous_timeout"]
+            agreement = timeout or conn.hello["agreement_timeout"]
+            wait = rendezvous + GRACE_S
+            member = resolve(group, rank, npes, wait)
+        except Exception:
             if unusable is not None:
                 raise unusable from None
             raise
-        # the deadlines are decided here and sent: the daemon waits exactly as long, so it answers first
-        rendezvous = timeout or conn.hello["rendezvous_timeout"]
-        agreement = timeout or conn.hello["agreement_timeout"]
-        wait = rendezvous + GRACE_S
-        member = resolve(group, rank, npes, wait)
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
         where = f"group={member.key} name={name} rank {member.rank}"

@@ -143,11 +143,15 @@ class Agreements:
         out, agreement = self._agreement_for(caller, pid, uid, group, rank, expected)
         if agreement is None:
             return out
-        if agreement.npes != npes:
-            wrong = f"called tp_agree with npes={npes}, but the group has npes={agreement.npes}"
-            if agreement.pids.get(rank, pid) == pid and rank < agreement.npes:
-                # the rank's own voter: its no fails its peers' round at once, where they would wait out the
-                # timeout blaming an absent rank (on the control page: peerd_client.agree)
+        group_npes = expected if sizes else agreement.npes  # its buffer sets', else its agreement's
+        if npes != group_npes or agreement.npes != npes:
+            has = group_npes if npes != group_npes else agreement.npes  # (an agreement older than the sets)
+            wrong = f"called tp_agree with npes={npes}, but the group has npes={has}"
+            if agreement.npes == group_npes and rank < group_npes and \
+                    (agreement.pids.get(rank, pid) == pid or pid in holders):
+                # the rank's voter (or its first: a stray of the uid could as well vote with the right npes): its
+                # no fails its peers' round at once, where they would wait out the timeout blaming an absent rank
+                # (on the control page: peerd_client.agree)
                 out += self._enter(None, agreement, rank, pid, holders, False, wrong, req["timeout"], now)
             return out + [refuse(caller, ErrorCode.MISMATCH, f"rank {rank} of group={group} {wrong}")]
         return out + self._enter(caller, agreement, rank, pid, holders, req["ok"], "", req["timeout"], now)
@@ -298,7 +302,7 @@ class Agreements:
             return []
         reason = (
             f"agreement round {k} of group={agreement.group} timed out after {timeout:g}s "
-            f"waiting for rank(s) {rnd.missing()}"
+            f"waiting for rank(s) {rnd.missing()}" + (f"; {rnd.reason}" if rnd.reasons else "")
         )
         log.warning("%s", reason)
         return rnd.finish(False, reason) + self._collect(agreement)

@@ -130,7 +130,8 @@ class Rendezvous:
             bset = self.index.current.get(key)
             if bset is None or bset.state is not State.JOINING:
                 return [invalid]
-            message = f"pid {who.pid} asked to join {bset.label} as rank {rank} of npes={npes}, a rank it does not have"
+            message = f"pid {who.pid} asked to join {bset.label} as rank {rank} of npes={npes}" + (
+                f", but the set has npes={bset.npes}" if npes != bset.npes else ", past its last rank")
             return self._fail(bset, ErrorCode.GROUP_FAILED, message, now=now) + [invalid]
         refusal = self._quotas.shape_refusal(req)
         if refusal:
@@ -248,6 +249,11 @@ class Rendezvous:
         still to come on arrival; or the refusal of a rank this process still holds in the key's live set."""
         key, pid, rank = (who.uid, req["group"], req["name"]), who.pid, req["rank"]
         bset = self.index.current.get(key)
+        if bset is not None and bset.state is State.FAILED and not bset.holding_slots() and self._owed_verdict(bset):
+            # its peers failed already (refused alike, most often): this rank hears that verdict, so the key is
+            # free for their next try once every rank did; a verdict of its own would wait for them all again
+            self._hears(bset, rank, pid)
+            return [], None
         if bset is not None and bset.state is not State.JOINING:
             refused = self._supersede(bset, rank, caller, "", pid)
             if refused:
@@ -292,14 +298,18 @@ class Rendezvous:
     def _tell_failure(self, bset: BufferSet, rank: int, pid: int, caller: Caller) -> Send:
         """A late rank hears a kept verdict, as one: its own timeout= never ran. See Note [Failure verdicts
         are kept]."""
-        bset.heard(rank, pid)
-        if len(bset.told) == bset.npes:
-            self._forget(bset)
+        self._hears(bset, rank, pid)
         failure = bset.failure
         advice = ("; a rank this late needs a longer timeout= on every rank (default: the daemon's "
                   "--rendezvous-timeout)" if failure.code is ErrorCode.TIMEOUT else "")
         message = f"{bset.label} had already failed when rank {rank} (pid {pid}) came: {failure.message}{advice}"
         return Send(caller, error=ProtocolError(failure.code, message))
+
+    def _hears(self, bset: BufferSet, rank: int, pid: int) -> None:
+        """``rank`` heard failed set ``bset``'s verdict: once every rank did, it is forgotten."""
+        bset.heard(rank, pid)
+        if len(bset.told) == bset.npes:
+            self._forget(bset)
 
     def _room_refusal(self, key: SetKey) -> str | None:
         """Why the daemon may not keep one more set, of ``key``'s uid: its share, or the total."""

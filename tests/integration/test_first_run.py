@@ -159,6 +159,21 @@ def test_a_rank_refused_at_its_join_tells_its_peers_at_once(daemon, rank, wrong,
     assert peer["code"] == "GROUP_FAILED" and told.format(pid=bad.pid) in peer["message"], peer
 
 
+@pytest.mark.parametrize("call, socket", [
+    ("PeerBuffer(4096, 'no-rank', timeout=-1)", "daemon"),
+    ("PeerBuffer(0, 'g', 0, 2, torch.device('cpu'), timeout=-1)", "absent"),
+], ids=["string-key-alone", "no-daemon"])
+def test_a_timeout_no_wait_can_honour_is_a_bad_request_before_any_other_error(daemon, call, socket):
+    """BAD_REQUEST names the timeout first, as before anything else is asked (the README's contract): told to the
+    peers where it can be, it must not turn into the ValueError of a later step."""
+    script = (f"import torch\nfrom peerd_client import PeerBuffer, MonoUnsupported\ntry:\n    {call}\n"
+              "except MonoUnsupported as err:\n    print(err.code)\n")
+    path = daemon.socket if socket == "daemon" else os.path.join(os.path.dirname(daemon.socket), "absent.sock")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PEERD_SOCKET": path})
+    assert done.stdout == "BAD_REQUEST\n", (done.stdout, done.stderr)
+
+
 def test_a_socket_path_no_daemon_can_serve_is_a_daemon_unavailable_naming_peerd_socket(daemon):
     """An engine falls back on MonoUnsupported: a PEERD_SOCKET libzmq cannot use raised a ValueError that
     named neither the variable nor what to do, and took the worker down."""

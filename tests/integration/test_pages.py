@@ -269,6 +269,11 @@ def test_a_vote_with_another_rank_or_npes_than_the_groups_is_refused(daemon):
     assert not wrong["ok"] and wrong["code"] == "MISMATCH" and "npes=2" in wrong["message"], wrong
     assert peer == {"ok": True, "value": False} and time.monotonic() - began < 30, peer
     assert [r["value"] for r in ask_all(members, "agree")] == [True, True]
+    began = time.monotonic()
+    alone = members[0].ask("agree 0 3")  # its peer does not come: it waits a moment for it, not the round's 60 s
+    assert alone["code"] == "MISMATCH" and time.monotonic() - began < 30, alone
+    assert members[1].ask("agree") == {"ok": True, "value": False}, "the round it timed out is False for the peer"
+    assert [r["value"] for r in ask_all(members, "agree")] == [True, True]
     for m in members:
         m.end()
 

@@ -206,7 +206,7 @@ def test_a_publish_wakes_a_sleeper_and_it_answers_the_and(pages, no_slices):
 
 def test_reasons_number_the_rounds_after_the_commit_vote_as_tp_agree_calls(pages):
     """A buffer set's page holds its commit vote as round 1: its voters' first tp_agree call is round 2 there,
-    and its reason says "agreement round 1", as the daemon's message path numbers a caller's first call."""
+    and its reason says "agreement round 1", the caller's first call."""
     page = pages(2)
     first, second = (PageVoter(p, r, "group=g", commit_rounds=cp.COMMIT_ROUND) for r, p in enumerate((page, twin(page))))
     verdicts = []

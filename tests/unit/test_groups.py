@@ -206,6 +206,17 @@ def test_a_rendezvous_timeout_names_a_missing_rank_waiting_in_another_set_of_the
     assert "build the sets of a group in the same order" in failed[("c", 0)].message
 
 
+def test_ranks_all_refused_for_their_size_may_try_again_together(mem):
+    """Both ranks refused over --max-buffer-bytes (their size comes from one config) each left a verdict of
+    their own: on the next try with a size that fits, rank 0 heard rank 1's, and rank 1 waited alone."""
+    reg = Registry(mem.allocate, mem.free, limits=Limits(max_buffer_bytes=100))
+    for rank in range(2):
+        assert errors(join(reg, rank, nbytes=101))[("c", rank)].code is ErrorCode.LIMIT_EXCEEDED
+    assert join(reg, 0) == [], "a new rendezvous, not a verdict"
+    opened = bodies(join(reg, 1))
+    assert set(opened) == {("c", 0), ("c", 1)} and all(len(b["handles"]) == 2 for b in opened.values()), opened
+
+
 def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(reg, mem):
     join(reg, 0, npes=4, now=0.0)
     join(reg, 2, npes=4, now=1.0)
@@ -459,6 +470,25 @@ def test_a_holder_voting_with_another_npes_than_its_set_fails_its_peers_round_at
     assert errors(agree(reg, 1, npes=3, group="g"))[("a", 1)].code is ErrorCode.MISMATCH
     verdict = bodies(agree(reg, 0, group="g"))[("a", 0)]
     assert verdict["ok"] is False and "rank 1: called tp_agree with npes=3" in verdict["reason"], verdict
+
+
+def test_a_wrong_npes_vote_is_no_vote_where_the_agreement_is_older_than_the_groups_sets(reg):
+    """The group's agreement was of 3 (votes before any set), its set is of 2: the holder of rank 1 voting as one
+    of 3 is refused and enters nothing; it was taken as a plain vote in the stale round."""
+    agree(reg, 0, npes=3, group="g")
+    live_set(reg)
+    refused = errors(reg.agree(("h", 1), who(101), {"group": "g", "rank": 1, "npes": 3, "ok": True, "timeout": None},
+                               0.0))[("h", 1)]
+    assert refused.code is ErrorCode.MISMATCH and "called tp_agree with npes=3, but the group has npes=2" in \
+        refused.message, refused
+    assert reg.agreements[(None, "g")].rounds[1].votes == {0: True}, "rank 1 entered nothing"
+
+
+def test_a_round_that_times_out_says_which_rank_voted_no_and_why(reg):
+    agree(reg, 0, npes=3)
+    agree(reg, 1, npes=4)
+    reason = bodies(reg.expire(10.0))[("a", 0)]["reason"]
+    assert "waiting for rank(s) [2]; rank 1: called tp_agree with npes=4, but the group has npes=3" in reason, reason
 
 
 def test_a_round_ends_at_the_earliest_deadline_of_its_voters(reg):
