@@ -33,6 +33,7 @@ import math
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -486,6 +487,8 @@ class Undelivered:
         if not requests:
             return
         self._entries.extend(requests)
+        if sys.is_finalizing():  # a buffer collected at exit: no thread may start now (3.10 and 3.11 hang in
+            return  # Thread.start); the daemon frees a dead process's ranks
         if self._retrying is None or not self._retrying.is_alive():
             try:
                 self._retrying = threading.Thread(target=self._retry, name="peerd-release-retry", daemon=True)

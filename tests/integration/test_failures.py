@@ -73,6 +73,27 @@ def test_a_call_waiting_on_a_killed_daemon_fails_fast_and_a_restarted_daemon_tak
     assert all(r["ok"] for r in run_ranks(daemon, "exchange", 2, "--group", "after"))
 
 
+def test_a_worker_that_never_closed_its_buffer_exits_after_its_daemon_died(daemon):
+    """Engines keep their buffers for life: collected at exit, a buffer whose release could not go out started
+    the background retry thread during finalization, which hangs for ever in Thread.start on Python 3.10
+    and 3.11 (3.12 raises instead): the worker never exited."""
+    script = ("import sys, torch\nfrom peerd_client import PeerBuffer\n"
+              "buf = PeerBuffer(4096, 'kept', 0, 1, torch.device('cpu'))\nprint('HELD', flush=True)\n"
+              "sys.stdin.readline()\n")
+    worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=daemon.env())
+    assert worker.stdout.readline().strip() == "HELD", worker.stderr.read()
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    worker.stdin.write("exit\n")
+    worker.stdin.flush()
+    try:
+        assert worker.wait(timeout=30) == 0, worker.stderr.read()
+    finally:
+        worker.kill()
+    daemon.start()  # for the fixture's clean stop
+
+
 def test_the_next_call_after_a_daemon_restart_is_daemon_unavailable_then_it_reconnects(daemon):
     rank = start_rank(daemon, "restart", 0, 1, "--group", "restart", stdin=subprocess.PIPE)
     assert rank.stdout.readline().strip() == "READY"  # it holds a connection and waits
