@@ -56,10 +56,15 @@ def resolve_group(name_or_gid: str | int, setting: str) -> int:
         raise ValueError(f"no such group {name_or_gid!r} ({setting})") from None
 
 
+def group_setting(name: str) -> str:
+    """How a group's error names the setting it came from: its file key and its option."""
+    return f"{name}, --{name.replace('_', '-')}"
+
+
 def resolve_groups(socket_group: str | int | None, allow_gid: tuple) -> tuple[int | None, tuple[int, ...]]:
     """The socket group's gid (None: none) and the allowed gids, each name looked up (NSS: it may be slow)."""
-    socket_gid = resolve_group(socket_group, "socket_group, --socket-group") if socket_group is not None else None
-    return socket_gid, tuple(resolve_group(g, "allow_gid, --allow-gid") for g in allow_gid)
+    socket_gid = resolve_group(socket_group, group_setting("socket_group")) if socket_group is not None else None
+    return socket_gid, tuple(resolve_group(g, group_setting("allow_gid")) for g in allow_gid)
 
 
 def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:

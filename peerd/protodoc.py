@@ -32,6 +32,8 @@ daemon answers any other only `BAD_REQUEST` (see Note [Routing ids] in peerd/rou
 - reply: `{{v, id, ok: true, body}}`, or `{{v, id, ok: false, error: {{code, message}}}}`
 
 Every caller must be in the daemon's allowlist; admin-only ops take root or the daemon's uid.
+Replies are open: a reply may carry fields beyond those listed under its op (`status` carries the
+health report `peerd status --json` prints), and a client reads those it knows.
 Besides the errors listed under each op, any op may answer {", ".join(f"`{c.value}`" for c in COMMON_ERRORS)}
 (a malformed, unknown or refused request, or a bug in the daemon).
 

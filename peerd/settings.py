@@ -39,6 +39,7 @@ from .connections import (
     ConnectionLimits,
     default_max_connections,
 )
+from .access import group_setting, resolve_group
 from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
 from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
@@ -61,7 +62,7 @@ class ByteSize(click.ParamType):
 
     def convert(self, value: Any, param, ctx) -> int:
         """Bytes; 0 stands for no limit (so "none" given on the command line is told from nothing given)."""
-        example = "4096, 64MiB or 16G" + (" (or 'none')" if self.limit else "")
+        example = "4096, 64MiB or 16GiB" + (" (or 'none')" if self.limit else "")
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             self.fail(f"{value!r} is not a size like {example}", param, ctx)
         if isinstance(value, int):
@@ -351,7 +352,20 @@ class Loader:
                 value = option.default() if callable(option.default) else option.default
                 source = "default"
             values[option.name], sources[option.name] = value, source
+        _check_groups(values, sources)
         return Settings(**values), sources
+
+
+def _check_groups(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """A group name that names no group is refused with the other bad values, naming where it came from."""
+    for name in ("socket_group", "allow_gid"):
+        groups = values[name] if _BY_NAME[name].multiple else (values[name],)
+        try:
+            for group in groups:
+                if group is not None:
+                    resolve_group(group, group_setting(name))
+        except ValueError as err:
+            raise ConfigError(f"{sources[name]}: {err}") from None
 
 
 def _listed(env: str) -> list[str]:

@@ -165,11 +165,20 @@ def test_a_daemon_that_dies_first_is_reported_and_the_job_told():
 
 
 def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs():
+    """Its backend cannot open (no libamdhip64 here, nor on an NVIDIA machine): only the daemon finds that."""
+    proc = launch(sys.executable, "-c", "print('ran')", serve=("--backend", "hip"))
+    out, err = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 125 and "ran" not in out
+    assert "libamdhip64 could not be loaded" in err, err
+    assert "peerd run: the daemon exited with code 1 before it answered" in err
+
+
+def test_settings_naming_no_group_are_refused_before_a_daemon_starts():
     proc = launch(sys.executable, "-c", "print('ran')", serve=("--socket-group", "peerd-test-no-such-group"))
     out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 125 and "ran" not in out
-    assert "no such group 'peerd-test-no-such-group'" in err
-    assert "peerd run: the daemon exited with code 1 before it answered" in err
+    assert "command line: no such group 'peerd-test-no-such-group' (socket_group, --socket-group)" in err, err
+    assert "the daemon exited" not in err, "refused with the other bad values, not by a daemon started for it"
 
 
 def test_socket_is_the_launchers_to_choose():

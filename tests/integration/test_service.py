@@ -160,8 +160,8 @@ def test_a_bad_configuration_is_a_clear_error_at_start_naming_the_key_and_peerd_
         ('max_groups = "many"\n', f"{config}: bad value for max_groups"),
         ("socket_dir_mode = '0999'\n", f"{config}: bad value for socket_dir_mode"),
         ("log_level = [\n", f"cannot read configuration file {config}"),
-        ('allow_gid = ["peerd-no-such-group"]\n', "no such group 'peerd-no-such-group' (allow_gid, --allow-gid)"),
-        ('socket_group = "peerd-no-such-group"\n', "no such group 'peerd-no-such-group' (socket_group"),
+        ('allow_gid = ["peerd-no-such-group"]\n', f"{config}: no such group 'peerd-no-such-group' (allow_gid, --allow-gid)"),
+        ('socket_group = "peerd-no-such-group"\n', f"{config}: no such group 'peerd-no-such-group' (socket_group"),
         ("socket_dir_mode = '0770'\n", f"{config}: bad value for socket_dir_mode: '0770' lets other users write"),
         ("arena_chunk_bytes = 5000\n", "bad value for arena_chunk_bytes: 5000 is not a multiple of 4096 bytes"),
     ]:
