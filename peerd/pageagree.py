@@ -153,10 +153,13 @@ class PageVoter:
             return Verdict(False, f"{self._round_name(k)} of {self.label} ended: "
                                   f"{aborted.reason if aborted else 'the group was aborted'}")
         missing = [r for r, s in enumerate(self._slots) if s.value < k]  # still: the ranks to blame
+        no = self._no_votes(k)
+        voted_no = f"; rank(s) {no} voted no" if no else ""  # whatever came, the round was False for them
         if rank == self.rank:
-            return Verdict(False, f"{self._round_name(k)} of {self.label} timed out waiting for rank(s) {missing}")
+            return Verdict(False, f"{self._round_name(k)} of {self.label} timed out waiting for rank(s) "
+                                  f"{missing}{voted_no}")
         if missing:
             return Verdict(False, f"{self._round_name(k)} of {self.label} timed out waiting for rank(s) {missing} "
-                                  f"(rank {rank}'s deadline passed first)")
+                                  f"(rank {rank}'s deadline passed first){voted_no}")
         return Verdict(False, f"{self._round_name(k)} of {self.label} timed out: rank {rank} stopped waiting "
-                              f"before every rank voted")
+                              f"before every rank voted{voted_no}")

@@ -249,9 +249,11 @@ class Rendezvous:
         still to come on arrival; or the refusal of a rank this process still holds in the key's live set."""
         key, pid, rank = (who.uid, req["group"], req["name"]), who.pid, req["rank"]
         bset = self.index.current.get(key)
-        if bset is not None and bset.state is State.FAILED and not bset.holding_slots() and self._owed_verdict(bset):
+        if bset is not None and bset.state is State.FAILED and not bset.holding_slots() and rank not in bset.told \
+                and req["npes"] == bset.npes and self._owed_verdict(bset):
             # its peers failed already (refused alike, most often): this rank hears that verdict, so the key is
-            # free for their next try once every rank did; a verdict of its own would wait for them all again
+            # free for their next try once every rank did; a verdict of its own would wait for them all again.
+            # A rank that heard it already comes from a relaunch: its own verdict replaces the old one, below
             self._hears(bset, rank, pid)
             return [], None
         if bset is not None and bset.state is not State.JOINING:

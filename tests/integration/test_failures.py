@@ -76,10 +76,12 @@ def test_a_call_waiting_on_a_killed_daemon_fails_fast_and_a_restarted_daemon_tak
 def test_a_worker_that_never_closed_its_buffer_exits_after_its_daemon_died(daemon):
     """Engines keep their buffers for life: collected at exit, a buffer whose release could not go out started
     the background retry thread during finalization, which hangs for ever in Thread.start on Python 3.10
-    and 3.11 (3.12 raises instead): the worker never exited."""
-    script = ("import sys, torch\nfrom peerd_client import PeerBuffer\n"
-              "buf = PeerBuffer(4096, 'kept', 0, 1, torch.device('cpu'))\nprint('HELD', flush=True)\n"
-              "sys.stdin.readline()\n")
+    and 3.11 (3.12 raises instead): the worker never exited. The buffer is held in a reference cycle (an
+    engine object), so the interpreter's last collection at exit is what collects it."""
+    script = ("import gc, sys, torch\nfrom peerd_client import PeerBuffer\nclass Engine: pass\n"
+              "engine = Engine()\nengine.me = engine\n"
+              "engine.buf = PeerBuffer(4096, 'kept', 0, 1, torch.device('cpu'))\n"
+              "del engine\ngc.disable()\nprint('HELD', flush=True)\nsys.stdin.readline()\n")
     worker = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=daemon.env())
     assert worker.stdout.readline().strip() == "HELD", worker.stderr.read()

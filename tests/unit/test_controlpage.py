@@ -219,6 +219,19 @@ def test_reasons_number_the_rounds_after_the_commit_vote_as_tp_agree_calls(pages
     assert verdicts[2:] == [cp.Verdict(False, "agreement round 1 of group=g: rank(s) [1] voted no")] * 2
 
 
+def test_a_round_that_timed_out_still_says_who_voted_no(pages):
+    """A rank that voted no and timed the round out (a tp_agree with a wrong npes waits 1 s) left a peer
+    arriving later a timeout that blamed only the absent rank."""
+    page = pages(3)
+    early, late = PageVoter(page, 1, "group=g"), PageVoter(twin(page), 0, "group=g")
+    gave_up = early.agree(False, time.monotonic() + 0.05)
+    assert gave_up == cp.Verdict(False, "agreement round 1 of group=g timed out waiting for rank(s) [0, 2]; "
+                                        "rank(s) [1] voted no")
+    assert late.agree(True, time.monotonic() + 600) == cp.Verdict(
+        False, "agreement round 1 of group=g timed out waiting for rank(s) [2] (rank 1's deadline passed first); "
+               "rank(s) [1] voted no")
+
+
 def test_the_first_proposal_settles_a_round_for_everyone(pages):
     page = pages(2)
     a, b = PageVoter(page, 0), PageVoter(twin(page), 1)

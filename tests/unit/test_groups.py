@@ -947,6 +947,18 @@ def test_a_withdrawal_before_anyone_joined_is_kept_for_the_ranks_to_come(reg):
         assert verdict.error.code is ErrorCode.GROUP_FAILED, verdict
 
 
+def test_a_relaunchs_withdrawal_is_its_own_verdict_not_the_old_launchs(reg):
+    """The old launch timed out waiting for rank 1 and its ranks 0 and 2 heard it; one of its processes still
+    runs. The relaunch's rank 0 withdraws: its own reason is the verdict, not the old one (its rank 1 was told
+    the old launch's error, naming dead pids, and its rank 2 then waited out a rendezvous alone)."""
+    join(reg, 0, npes=3), join(reg, 2, npes=3)
+    assert set(errors(reg.expire(10.0))) == {("c", 0), ("c", 2)}
+    withdraw(reg, 0, pid=200)
+    for rank in (1, 2):
+        told = errors(join(reg, rank, npes=3, pid=200 + rank, now=11.0))[("c", rank)]
+        assert told.code is ErrorCode.GROUP_FAILED and "rank 0 (pid 200)" in told.message, told
+
+
 def test_a_rank_held_in_a_live_set_cannot_withdraw_from_it(reg):
     join(reg, 0), join(reg, 1)
     commit(reg, 0), commit(reg, 1)
