@@ -208,6 +208,12 @@ class Agreements:
         """The group's agreement, started if need be; None (and the refusal) when uid keeps too many."""
         agreement = self.kept.get((uid, group))
         out: Outbox = []
+        if agreement is not None and agreement.npes != npes and not agreement.rounds and \
+                pid in self._sets.pids_holding_rank(uid, group, rank):
+            # older than the group's sets (votes of another npes under the same key, whose voters live on),
+            # with no round pending: the sets' npes wins, where it refused every call of their ranks
+            self._drop(agreement, "")
+            agreement = None
         if agreement is not None and (agreement.dead.get(rank, pid) != pid or rank in agreement.left):
             self._returns(agreement, rank, pid)
         if agreement is not None:

@@ -484,6 +484,16 @@ def test_a_wrong_npes_vote_is_no_vote_where_the_agreement_is_older_than_the_grou
     assert reg.agreements[(None, "g")].rounds[1].votes == {0: True}, "rank 1 entered nothing"
 
 
+def test_an_agreement_older_than_the_groups_sets_gives_way_to_their_npes(reg):
+    """The key agreed as a group of 3 (its voters live on), then its ranks built a set of 2: every call of the
+    set's ranks was refused, "the group has npes=3", for as long as an old voter lived."""
+    for rank in range(3):
+        agree(reg, rank, npes=3, group="g")
+    live_set(reg)
+    agree(reg, 0, group="g")
+    assert bodies(agree(reg, 1, group="g"))[("a", 1)] == {"ok": True, "reason": ""}
+
+
 def test_a_round_that_times_out_says_which_rank_voted_no_and_why(reg):
     agree(reg, 0, npes=3)
     agree(reg, 1, npes=4)
