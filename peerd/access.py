@@ -184,11 +184,16 @@ def remove_stale_socket(path: str) -> None:
 def secure_socket(path: str, gid: int | None) -> None:
     """0660, in the socket group when there is one: for the socket this daemon has just bound."""
     if gid is not None:
-        try:
-            os.chown(path, -1, gid, follow_symlinks=False)
-        except PermissionError:
-            raise group_refused(gid) from None
+        give_to_group(path, gid)
     os.chmod(path, 0o660)
+
+
+def give_to_group(path: str, gid: int) -> None:
+    """``path`` (never a symlink's target) into the socket group; group_refused where the kernel says EPERM."""
+    try:
+        os.chown(path, -1, gid, follow_symlinks=False)
+    except PermissionError:
+        raise group_refused(gid) from None
 
 
 def group_refused(gid: int) -> UnsafeSocketDirectory:

@@ -140,7 +140,7 @@ class Agreements:
                 return [Send(caller, {"ok": False, "reason": f"group={group} was evicted by an administrator: "
                                                              "build the PeerBuffer again"})]
             self._forgive(uid, group, pid)
-        out, agreement = self._agreement_for(caller, pid, uid, group, rank, expected)
+        out, agreement = self._agreement_for(caller, pid, uid, group, rank, expected, pid in holders)
         if agreement is None:
             return out
         group_npes = expected if sizes else agreement.npes  # its buffer sets', else its agreement's
@@ -203,13 +203,13 @@ class Agreements:
         return out + self._collect(agreement)
 
     def _agreement_for(
-        self, caller: Caller, pid: int, uid: int | None, group: str, rank: int, npes: int
+        self, caller: Caller, pid: int, uid: int | None, group: str, rank: int, npes: int, holds: bool
     ) -> tuple[Outbox, Agreement | None]:
-        """The group's agreement, started if need be; None (and the refusal) when uid keeps too many."""
+        """The group's agreement, started if need be; None (and the refusal) when uid keeps too many.
+        ``holds``: ``pid`` holds ``rank`` in a buffer set of the group, whose ``npes`` this is."""
         agreement = self.kept.get((uid, group))
         out: Outbox = []
-        if agreement is not None and agreement.npes != npes and not agreement.rounds and \
-                pid in self._sets.pids_holding_rank(uid, group, rank):
+        if agreement is not None and agreement.npes != npes and not agreement.rounds and holds:
             # older than the group's sets (votes of another npes under the same key, whose voters live on),
             # with no round pending: the sets' npes wins, where it refused every call of their ranks
             self._drop(agreement, "")

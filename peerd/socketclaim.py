@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .access import group_refused, prepare_socket_dir, remove_stale_socket
+from .access import give_to_group, prepare_socket_dir, remove_stale_socket
 from .lockfile import SocketLock
 from .paths import fd_socket_path, lock_path
 
@@ -30,10 +30,7 @@ class SocketClaim:
         self._lock.acquire()
         try:
             if gid is not None:  # the socket's group, tried on the lock file: refused now, not after the backend
-                try:
-                    os.chown(lock_path(path), -1, gid, follow_symlinks=False)
-                except PermissionError:
-                    raise group_refused(gid) from None
+                give_to_group(lock_path(path), gid)
             remove_stale_socket(path)
             remove_stale_socket(fd_socket_path(path))
         except BaseException:
