@@ -7,7 +7,7 @@
 every one of G concurrent groups. peerd_client holds one connection per
 process and one call at a time, so each process drives its G groups through
 a raw ZeroMQ DEALER speaking peerd.protocol, one request in flight per
-group and at most ROUTER_SNDHWM (32) per process (more, and the daemon
+group and at most CLIENT_WINDOW (32) per process (more, and the daemon
 drops replies to a connection that falls behind, by design): the daemon sees G groups each with npes members, every member's pid
 the kernel's (the daemon identifies ranks by it).
 
@@ -49,7 +49,7 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
     from peerd.paths import endpoint
     from peerd.protocol import decode_reply, encode_request
     from peerd.routingids import new_routing_id
-    from peerd.server import ROUTER_SNDHWM
+    from peerd.server import CLIENT_WINDOW
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -65,7 +65,7 @@ def drive(rank: int, npes: int, groups: int, per_group: int, mode: str, prefix: 
     backlog: list[tuple[int, str]] = []  # past the window: sent as replies come
 
     def send(g: int, op: str) -> None:
-        if len(pending) >= ROUTER_SNDHWM:  # the daemon keeps at most that many replies for one connection
+        if len(pending) >= CLIENT_WINDOW:  # past it, the daemon may drop replies: Note [Reply window]
             backlog.append((g, op))
             return
         rid = next(ids)

@@ -71,17 +71,28 @@ RESTART_ONLY = ("socket", "backend", "socket_group", "socket_dir_mode", "metrics
 #: outstanding, plus a few releases whose replies it skips, so these bind
 #: only a client that floods or does not read: past RCVHWM requests its
 #: connection waits (libzmq stops reading it); past SNDHWM replies to it are
-#: dropped and counted (ROUTER_MANDATORY). A client with at most SNDHWM
-#: requests in flight that reads its replies never loses one: a turn serves
-#: at most that many. Worst case per connection: 32 x 8 KiB in, 33 x 32 KiB out.
-ROUTER_RCVHWM = 32
-ROUTER_SNDHWM = 32
+#: dropped and counted (ROUTER_MANDATORY). A client with at most CLIENT_WINDOW
+#: requests in flight that reads its replies never loses one: Note [Reply
+#: window]. Worst case per connection: 32 x 8 KiB in, 67 x 32 KiB out.
+CLIENT_WINDOW = 32
+ROUTER_RCVHWM = CLIENT_WINDOW
+ROUTER_SNDHWM = 2 * CLIENT_WINDOW + 2
 
-#: Most messages, and seconds, one loop turn serves before it lets timers,
-#: deaths and signals in. The ROUTER takes messages round-robin across
-#: connections and each reply leaves as soon as it is known, so a flooding
-#: connection delays another's request by one message, never by its backlog.
-MESSAGES_PER_TURN = ROUTER_SNDHWM
+# Note [Reply window]
+# ~~~~~~~~~~~~~~~~~~~
+# libzmq counts a reply as queued until the daemon's socket hears that the
+# I/O thread took it, and it hears that late twice over: the I/O thread
+# reports its reads in batches of half the high-water mark, and the socket
+# takes in those reports at most about once a millisecond on sends. So a
+# connection whose client had 16 requests in flight, and read every reply,
+# was seen full at 32 and lost replies (the throughput benchmark stalled at
+# 16 groups). Hence: a send that finds the queue full first takes in every
+# report (getsockopt(EVENTS) does, unthrottled) and tries once more; and
+# SNDHWM leaves room for a whole unreported batch (SNDHWM / 2 replies) beside
+# a full window, and one to spare. A client past the window, or one that does
+# not read, still has its replies dropped and counted.
+
+MESSAGES_PER_TURN = CLIENT_WINDOW
 TURN_S = 0.01
 #: Frames of a message beyond identity + one payload (which no client sends) dropped between two looks
 #: at the turn's time: libzmq bounds each frame, not their number, and reading millions of empty ones in
@@ -498,11 +509,20 @@ class Daemon:
                     body = packed[id(send.body)] = pack_body(send.body)
                 frame = encode_packed_reply(request_id, body)
             try:
-                self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+                self._send(identity, frame)
             except zmq.Again:
-                self._dropped.add(f"the client's queue is full ({ROUTER_SNDHWM} replies): it does not read them")
+                self._dropped.add(f"the client's queue is full ({ROUTER_SNDHWM} replies): it does not read them, "
+                                  f"or has over {CLIENT_WINDOW} requests in flight")
             except zmq.ZMQError:  # EHOSTUNREACH
                 self._dropped.add("the client disconnected before its reply")
+
+    def _send(self, identity: bytes, frame: bytes) -> None:
+        """Send now, or raise zmq.Again where the connection's queue is full: Note [Reply window]."""
+        try:
+            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            self._router.getsockopt(zmq.EVENTS)  # takes in every read count the I/O thread reported
+            self._router.send_multipart([identity, frame], zmq.NOBLOCK)
 
     # ------------------------------------------------------------ handlers
 

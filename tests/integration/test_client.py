@@ -144,3 +144,38 @@ def test_numpy_integers_size_and_place_a_buffer(daemon):
     """Engines compute sizes with numpy (np.prod(shape) * itemsize); an np.int64 size was refused as not an int."""
     results = run_ranks(daemon, "numpy_sizes", 2, "--group", "numpy-sized", "--nbytes", "4096")
     assert all(r["ok"] and r["agreed"] and r["nbytes"] == 4096 and r["types"] == ["int"] * 3 for r in results), results
+
+
+def test_a_client_that_keeps_its_whole_window_in_flight_and_reads_loses_no_reply(daemon):
+    """Note [Reply window]: libzmq hears late that a client read its replies, so a daemon that took its
+    count at face value dropped replies of a client with 16 requests in flight (the throughput benchmark
+    stalled). A raw DEALER keeps CLIENT_WINDOW requests in flight for 20,000 replies: every one comes."""
+    import zmq
+
+    from peerd.paths import endpoint
+    from peerd.protocol import decode_reply, encode_request
+    from peerd.routingids import new_routing_id
+    from peerd.server import CLIENT_WINDOW
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, new_routing_id())
+    sock.connect(endpoint(daemon.socket))
+    ids, pending, answered = iter(range(1, 1 << 30)), set(), 0
+
+    def ask() -> None:
+        pending.add(request_id := next(ids))
+        sock.send(encode_request(request_id, "ls", {}))
+
+    try:
+        for _ in range(CLIENT_WINDOW):
+            ask()
+        while pending and sock.poll(10_000):
+            pending.discard(decode_reply(sock.recv()).id)
+            answered += 1
+            if answered + len(pending) <= 20_000:
+                ask()
+    finally:
+        sock.close()
+    assert not pending, f"{len(pending)} of {answered + len(pending)} replies never came:\n{daemon.logs()[-2000:]}"
+    assert "dropped" not in daemon.logs(), daemon.logs()[-2000:]
