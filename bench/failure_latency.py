@@ -41,6 +41,17 @@ import _common as C  # noqa: E402
 NBYTES = 1 << 16
 
 
+def _say_first(owner, name: str, say) -> None:
+    """Make ``owner.name`` call ``say()`` before it runs (a method, or a module's function)."""
+    real = getattr(owner, name)
+
+    def said(*args, **kwargs):
+        say()
+        return real(*args, **kwargs)
+
+    setattr(owner, name, said)
+
+
 def worker(path, moment, rank, npes, victim, port, seed_timeout, events, done, group) -> None:
     """One rank of one trial; reports ('ready'|'waiting'|'result', rank, ...) on ``events``."""
     try:
@@ -55,6 +66,7 @@ def worker(path, moment, rank, npes, victim, port, seed_timeout, events, done, g
 
         if path == "peerd":
             import peerd_client.buffer as buffer_module
+            import peerd_client.agree as agree_module
             from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
             from peerd_client.connection import connection
 
@@ -68,6 +80,10 @@ def worker(path, moment, rank, npes, victim, port, seed_timeout, events, done, g
 
             moment_op = "commit" if moment == "handshake" else "agree"
             conn.call = call
+            if moment == "handshake":  # the same wait on the group's control page, where it has one
+                _say_first(buffer_module.PeerBuffer, "_commit_on_page", about_to_wait)
+            else:
+                _say_first(agree_module, "_round_on_page", about_to_wait)
             if rank == victim and moment == "handshake":
                 buffer_module.mappings.open = lambda *a: stall()
             try:
