@@ -104,12 +104,20 @@ Write order and why nobody reads half a write:
   A rank's votes word holds two rounds because no rank's slot can pass
   round k + 1 before round k is settled (see below), and a rank proposes a
   verdict from the votes only while round k's entry is empty.
-* The abort word is written last: first the reason text and the instant,
-  then the word (a sequentially consistent store, so both precede it), whose crc32
-  and length describe the text. A reader that sees a non-zero word issues
-  an acquire fence and reads a complete reason; if two aborts race and the
-  text is another's, the crc says so and the reader reports the code alone.
-  Kernels only test the word for non-zero.
+* The first abort wins, and its reason stands: an aborter claims the word
+  by compare-and-swap from 0 to a claim (length WRITING, the code), which
+  every kernel and round already sees as the abort; then it writes the
+  reason text and the instant, then the final word (a sequentially
+  consistent store, so both precede it), whose crc32 and length describe
+  the text. An aborter that finds the word taken writes nothing: two ranks
+  that saw the same peer stopped at once both wrote their text, and their
+  peers read neither reason (seen in a GPU test). A
+  reader that sees a claim waits up to ABORT_TEXT_WAIT_S for the final
+  word (an aborter stopped or killed in between leaves the code alone); one
+  that sees the final word issues an acquire fence and reads a complete
+  reason; a text the crc does not match (a member wrote over it) is
+  reported as overwritten, with the code alone. Kernels only test the word
+  for non-zero.
 * The verdict of round k is decided once, by compare-and-swap (lock-free
   on 8 aligned bytes) into its
   ring entry: the first rank to propose wins and every rank answers what the
@@ -212,6 +220,8 @@ DAEMON_RANK = 0xFFFF  # the proposer a verdict the daemon decides names
 COMMIT_ROUND = 1  # a set's commit vote is its page's round 1, so tp_agree's k-th call is round k + 1
 MAX_NPES = 1024
 REASON_BYTES = 256
+WRITING = 0xFFFF  # the abort word's length while its aborter writes the reason (no reason is that long)
+ABORT_TEXT_WAIT_S = 0.05  # how long a reader waits for a claimed abort's reason
 SPIN_SHARED_S, SPIN_OWN_CORE_S = 20e-6, 200e-6
 WAIT_SLICE_S = 0.05
 #: what the fd channel's page answer names its two fds: the set's area, the daemon's alive pipe (peerd.pages)
@@ -310,6 +320,11 @@ def _agreed(entry: int, k: int) -> bool:
 
 def encode_abort(code: int, reason: bytes) -> int:
     return zlib.crc32(reason) << 32 | len(reason) << 16 | code
+
+
+def _claim(code: int) -> int:
+    """The abort word while its first aborter writes the reason: Note [Control page layout]."""
+    return WRITING << 16 | code
 
 
 # ---------------------------------------------------------------- areas and pages
@@ -425,16 +440,20 @@ class ControlPage:
 
     # ------------------------------------------------------------ abort
 
-    def abort(self, code: int, reason: str) -> None:
-        """Abort the group: reason text, then the word, then wake every waiter."""
+    def abort(self, code: int, reason: str) -> bool:
+        """Abort the group: claim the word, then the reason text, then the word, then wake every
+        waiter. False where the group was aborted already: the first abort's reason stands."""
         if not 0 < code < 1 << 16:
             raise ValueError(f"abort code must be in 1..65535, got {code}")
         text = reason.encode()[: REASON_BYTES - 1].decode(errors="ignore").encode()
         a = atomics()
+        if a.compare_exchange(self.word(OFF_ABORT), 0, _claim(code)) != 0:
+            return False
         ctypes.memmove(self.address + OFF_REASON, text, len(text))
         self.word(OFF_ABORTED_AT).value = time.monotonic_ns()
         a.store_seq_cst(self.word(OFF_ABORT), encode_abort(code, text))  # after the text and the instant
         self._wake_sleepers()
+        return True
 
     def _wake_sleepers(self) -> None:
         """After a store the waiters must see: bump the wake word (a sleeper's FUTEX_WAIT on its old value
@@ -443,27 +462,43 @@ class ControlPage:
         a.add32(self.address + OFF_WAKE, 1, SEQ_CST)
         a.futex_wake(self.address + OFF_WAKE)
 
+    def _abort_word(self) -> int:
+        """The abort word, 0 while the group is not aborted; a claim's final word once it is written,
+        waiting at most ABORT_TEXT_WAIT_S (then the claim)."""
+        word = self.word(OFF_ABORT).value
+        if word >> 16 & 0xFFFF == WRITING:
+            deadline = time.monotonic() + ABORT_TEXT_WAIT_S
+            while word >> 16 & 0xFFFF == WRITING and time.monotonic() < deadline:
+                time.sleep(0.001)
+                word = self.word(OFF_ABORT).value
+        if word:
+            atomics().acquire_fence()
+        return word
+
     @property
     def aborted_at(self) -> float | None:
         """When the abort was written (time.monotonic seconds; every process of the
         machine shares the clock), or None while the group is not aborted."""
-        if not self.word(OFF_ABORT).value:
+        word = self._abort_word()
+        if not word:
             return None
-        atomics().acquire_fence()
-        return self.word(OFF_ABORTED_AT).value / 1e9
+        written = self.word(OFF_ABORTED_AT).value
+        return written / 1e9 if written else time.monotonic()  # its aborter stopped before it wrote the instant
 
     def aborted(self) -> GroupAborted | None:
         """The abort, with its reason, or None while the group is not aborted."""
-        word = self.word(OFF_ABORT).value
+        word = self._abort_word()
         if not word:
             return None
-        atomics().acquire_fence()
         code, length, crc = word & 0xFFFF, (word >> 16) & 0xFFFF, word >> 32
-        text = ctypes.string_at(self.address + OFF_REASON, min(length, REASON_BYTES))
         try:
             name = AbortCode(code).name
         except ValueError:
             name = f"code {code}"
+        if length == WRITING:
+            return GroupAborted(code, f"the group was aborted ({name}); its aborter stopped before it wrote "
+                                      "the reason")
+        text = ctypes.string_at(self.address + OFF_REASON, min(length, REASON_BYTES))
         if zlib.crc32(text) != crc or length > REASON_BYTES:
             return GroupAborted(code, f"the group was aborted ({name}); its reason was overwritten")
         return GroupAborted(code, f"the group was aborted ({name}): {text.decode(errors='replace')}")

@@ -357,10 +357,10 @@ class Pages:
     def _abort_entry(entry: _Entry, code: AbortCode, reason: str) -> None:
         if not entry.aborted:
             entry.aborted = True
-            if entry.page.aborted_at is not None:  # a member aborted it first (a peer it saw stopped): its
-                return  # reason is the cause; a member forging one gains nothing it could not overwrite anyway
-            entry.page.abort(code, reason)
-            log.info("control page of set %d aborted: %s", entry.set_id, reason)  # read nothing else off the page
+            # a member that aborted it first (a peer it saw stopped) gave the cause; one forging an abort gains
+            # nothing it could not do with its own group's page anyway
+            if entry.page.abort(code, reason):
+                log.info("control page of set %d aborted: %s", entry.set_id, reason)  # read nothing else off it
 
 
 class NoPages:

@@ -124,10 +124,37 @@ def test_an_abort_carries_its_whole_reason_and_check_raises_it(pages):
         other.check()
     assert err.value.code == AbortCode.SHUTDOWN
     assert ctypes.c_uint64.from_address(other.abort_address).value & 0xFFFF == AbortCode.SHUTDOWN
-    page.abort(AbortCode.EVICTED, "é" * 400)  # cut to the text area, never inside a character
-    assert other.aborted().reason.endswith("é" * 127)
-    ctypes.memmove(page.address + cp.OFF_REASON, b"garbage", 7)  # a racing second abort's text
+    ctypes.memmove(page.address + cp.OFF_REASON, b"garbage", 7)  # a member writing over the text
     assert "its reason was overwritten" in other.aborted().reason
+    long = pages(2)
+    long.abort(AbortCode.EVICTED, "é" * 400)  # cut to the text area, never inside a character
+    assert twin(long).aborted().reason.endswith("é" * 127)
+
+
+def test_the_first_abort_wins_and_its_reason_stands(pages):
+    """Two ranks that saw the same peer stopped both abort: the second writes nothing, so no reader
+    ever finds the first one's text written over (a GPU test read 'its reason was overwritten')."""
+    page = pages(2)
+    other = twin(page)
+    assert page.abort(AbortCode.MEMBER_STOPPED, "rank 1 (pid 7) was stopped, seen by rank 0")
+    assert not other.abort(AbortCode.MEMBER_STOPPED, "rank 1 (pid 7) was stopped, seen by rank 2")
+    assert not page.abort(AbortCode.SHUTDOWN, "peerd is shutting down")
+    aborted = other.aborted()
+    assert aborted.code == AbortCode.MEMBER_STOPPED and aborted.reason.endswith("seen by rank 0"), aborted
+
+
+def test_an_aborter_stopped_between_its_claim_and_its_reason_leaves_the_code(pages):
+    """The claim is already the abort (kernels and rounds test the word for non-zero); a reader waits
+    ABORT_TEXT_WAIT_S for the reason, then reports the code alone, and nobody else may write one."""
+    page = pages(2)
+    claim = cp.WRITING << 16 | AbortCode.MEMBER_DIED
+    page.word(cp.OFF_ABORT).value = claim
+    began = time.monotonic()
+    aborted = twin(page).aborted()
+    assert time.monotonic() - began >= cp.ABORT_TEXT_WAIT_S
+    assert aborted.code == AbortCode.MEMBER_DIED and "stopped before it wrote the reason" in aborted.reason
+    assert not page.abort(AbortCode.SHUTDOWN, "peerd is shutting down")
+    assert page.word(cp.OFF_ABORT).value == claim
 
 
 def test_a_timed_out_round_is_false_for_the_late_rank_and_the_next_round_agrees(pages):
