@@ -7,6 +7,7 @@ import os
 import time
 
 from peerd.pageagree import PageVoter
+from peerd.protocol import ErrorCode
 
 from .connection import GRACE_S, checked_timeout, connection
 from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
@@ -15,10 +16,10 @@ from .pagelink import GroupLink, link_for
 
 log = logging.getLogger("peerd_client")
 
-#: How long a tp_agree with a wrong npes waits on the control page for its peers to reach its round, so they
-#: read its no; then it times the round out (its peers hear False all the same) and raises MISMATCH. On the
-#: daemon's message path the call is refused at once and its no stays in the round.
-WRONG_NPES_WAIT_S = 1.0
+#: How long a tp_agree refused for a wrong npes or an unusable timeout waits for its peers to reach its round,
+#: so they read its no; then it times the round out (its peers hear False all the same) and raises. On the
+#: daemon's message path a wrong npes is refused at once and its no stays in the round.
+REFUSED_CALL_WAIT_S = 1.0
 
 
 def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, timeout: float | None = None) -> bool:
@@ -32,18 +33,42 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     Where every rank of the group mapped its live set's control page, the
     round runs there without a message to the daemon; else through the
     daemon. A set from an earlier daemon run (it restarted) makes every
-    round False."""
+    round False. A call refused for its arguments is still this rank's call
+    at that point: it votes no in its round (its peers hear False at once,
+    and the next round finds every rank in step), then raises."""
     if group is None:
         return bool(ok)
-    checked_timeout("tp_agree", timeout)  # on both paths: the page's wait would have no deadline
+    try:
+        checked_timeout("tp_agree", timeout)  # on both paths: the page's wait would have no deadline
+    except MonoUnsupported:
+        _no_in_its_round(group, rank, npes)
+        raise
+    return _agree(bool(ok), group, rank, npes, timeout)
+
+
+def _no_in_its_round(group, rank: int | None, npes: int | None) -> None:
+    """The no of a call refused for its timeout, in the round it is."""
+    try:
+        _agree(False, group, rank, npes, REFUSED_CALL_WAIT_S)
+    except (MonoUnsupported, ForkedProcessError, ValueError, TypeError) as err:
+        log.warning("tp_agree on %s could not vote this rank's no: %s", group, err)
+
+
+def _agree(ok: bool, group, rank: int | None, npes: int | None, timeout: float | None) -> bool:
     link = link_for(group) if isinstance(group, str) else None
     voter = link.voter if link is not None else None  # once: another thread's close() may clear it
     if voter is not None and not link.daemon_gone and \
             (rank, npes) in ((None, None), (link.rank, link.npes)):  # a decode step's guard: nothing to resolve
-        return _round_on_page(voter, group, bool(ok), timeout or link.agreement_timeout)
+        return _round_on_page(voter, group, ok, timeout or link.agreement_timeout)
     conn = connection()
     timeout = timeout or conn.hello["agreement_timeout"]  # decided here and sent: the daemon waits as long
-    member = resolve(group, rank, npes, timeout + GRACE_S)
+    try:
+        member = resolve(group, rank, npes, timeout)
+    except MonoUnsupported as err:  # a process group's rank 0 never came: as a rank absent from the round
+        if err.code != ErrorCode.TIMEOUT.value:
+            raise
+        log.warning("tp_agree is False: %s", err)
+        return False
     joiner = joined_by(member.key)
     if joiner is not None and joiner != os.getpid():
         raise ForkedProcessError(
@@ -52,12 +77,12 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
         )
     link = link_for(member.key)
     if link is not None:
-        verdict = _on_link(link, member, bool(ok), timeout, conn.hello.get("instance"))
+        verdict = _on_link(link, member, ok, timeout, conn.hello.get("instance"))
         if verdict is not None:
             return verdict
     verdict = conn.call(
         "agree",
-        {"group": member.key, "rank": member.rank, "npes": member.npes, "ok": bool(ok), "timeout": timeout},
+        {"group": member.key, "rank": member.rank, "npes": member.npes, "ok": ok, "timeout": timeout},
         timeout=timeout + GRACE_S,
     )
     if not verdict["ok"] and verdict["reason"]:
@@ -75,7 +100,7 @@ def _on_link(link: GroupLink, member, ok: bool, timeout: float, instance: int | 
         voter = link.voter
         if voter is None:
             return None  # the daemon refuses it, and votes that no (peerd.agreements)
-        _round_on_page(voter, member.key, False, min(timeout, WRONG_NPES_WAIT_S))
+        _round_on_page(voter, member.key, False, min(timeout, REFUSED_CALL_WAIT_S))
         raise MonoUnsupported(f"tp_agree on group={member.key} as rank {member.rank} of {member.npes}, but the "
                               f"group has npes={link.npes}: this rank voted no in the round", "MISMATCH")
     if link.instance != instance:

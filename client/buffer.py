@@ -103,7 +103,7 @@ class PeerBuffer:
             rendezvous = timeout or conn.hello["rendezvous_timeout"]
             agreement = timeout or conn.hello["agreement_timeout"]
             wait = rendezvous + GRACE_S
-            member = resolve(group, rank, npes, wait)
+            member = resolve(group, rank, npes, rendezvous)
         except Exception:
             if unusable is not None:
                 raise unusable from None

@@ -5,6 +5,13 @@ ProcessGroup gives rank and npes, and a key unique to that group on this
 node: its rank 0 writes a random token into the group's own store (a
 PrefixStore private to the group) and every rank reads it back, so two jobs,
 or two groups of one job, never share a key even on one node.
+
+A group made again over the same store (``destroy_process_group``, then
+``init_process_group`` with the same TCPStore) has the same store prefix,
+where the earlier group's token still lies: a rank that came before rank 0
+read it back and waited in another group than its peers. So each rank
+counts itself in (``store.add``; a process resolves a group once, then
+remembers its key) and the count names the instance whose token it reads.
 """
 
 from __future__ import annotations
@@ -16,7 +23,12 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from peerd.protocol import ErrorCode
+
+from .errors import MonoUnsupported
+
 STORE_KEY = "peerd/group-key"
+COUNT_KEY = "peerd/group-key-count"
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ def joined_by(key: str) -> int | None:
     return known[1] if known else None
 
 
-def _process_group_key(pg, rank: int, timeout: float) -> str:
+def _process_group_key(pg, rank: int, npes: int, timeout: float) -> str:
     import torch.distributed.distributed_c10d as c10d
 
     with _lock:
@@ -61,11 +73,18 @@ def _process_group_key(pg, rank: int, timeout: float) -> str:
         if cached is not None:
             return cached[1]
         store = c10d._get_process_group_store(pg)
+        instance = (store.add(COUNT_KEY, 1) - 1) // npes  # the module's note
+        slot = f"{STORE_KEY}/{instance}"
         if rank == 0:
-            store.set(STORE_KEY, uuid.uuid4().hex)
-        store.wait([STORE_KEY], datetime.timedelta(seconds=timeout))
-        token = store.get(STORE_KEY).decode()
-        key = f"pg-{pg.group_name}-{token}"
+            store.set(slot, uuid.uuid4().hex)
+        try:
+            store.wait([slot], datetime.timedelta(seconds=timeout))
+        except RuntimeError as err:  # torch's DistStoreError: rank 0 has not come
+            raise MonoUnsupported(
+                f"rank 0 of process group {pg.group_name!r} did not give the group its peerd key within "
+                f"{timeout:g}s ({err}): it has not reached its first PeerBuffer or tp_agree on this group, or "
+                "it died; every rank makes the same calls on a group in the same order", ErrorCode.TIMEOUT.value) from None
+        key = f"pg-{pg.group_name}-{store.get(slot).decode()}"
         _pg_keys[id(pg)] = (pg, key)
         return key
 
@@ -82,7 +101,8 @@ def integral(value):
 
 
 def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
-    """The membership ``group`` names; ValueError where it cannot be known."""
+    """The membership ``group`` names; ValueError where it cannot be known, MonoUnsupported (TIMEOUT)
+    where a process group's rank 0 did not give its key within ``timeout``."""
     rank, npes = integral(rank), integral(npes)
     if group is None:  # the seeds' single rank: a key of its own, which no other set shares
         if rank not in (None, 0) or npes not in (None, 1):
@@ -110,6 +130,6 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
             raise ValueError(
                 f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size})"
             )
-        return Membership(_process_group_key(group, pg_rank, timeout), pg_rank, pg_size)
+        return Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
     raise TypeError(f"group must be a string key, a torch ProcessGroup or None (a single rank), "
                     f"not {type(group).__name__}")

@@ -58,16 +58,18 @@ def agree(args) -> dict:
 
 
 def agree_npes(args) -> dict:
-    """Hold a set of the group, then two rounds: the first as one of --agree-npes (a wrong npes on one rank),
-    the second as the group's npes. Each round's verdict or error, and how long it took."""
+    """Hold a set of the group, then two rounds: the first as one of --agree-npes (a wrong npes on one rank)
+    and with --first-timeout (a bad one), the second as the group's npes with --timeout. Each round's verdict
+    or error, and how long it took."""
     from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
 
     rounds = []
     with PeerBuffer(args.nbytes, args.group, args.rank, args.npes):
-        for npes in (args.agree_npes or args.npes, args.npes):
+        first_timeout = args.timeout if args.first_timeout is None else float(args.first_timeout)
+        for npes, timeout in ((args.agree_npes or args.npes, first_timeout), (args.npes, args.timeout)):
             start = time.monotonic()
             try:
-                verdict = tp_agree(True, args.group, args.rank, npes, timeout=args.timeout)
+                verdict = tp_agree(True, args.group, args.rank, npes, timeout=timeout)
             except MonoUnsupported as err:
                 verdict = {"code": err.code, "message": str(err)}
             rounds.append({"verdict": verdict, "seconds": time.monotonic() - start})
@@ -108,6 +110,47 @@ def process_group(args) -> dict:
     b.close()
     dist.destroy_process_group()
     return {"agreed": ok, "seen": seen, "rank": a.rank, "npes": a.npes, "key": key}
+
+
+def process_group_again(args) -> dict:
+    """A group made twice over one TCPStore (destroy_process_group, then init_process_group): the second
+    time rank 0 comes last, after its peers read the store, where the first group's key still lay."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerd_client import PeerBuffer
+
+    store = dist.TCPStore("127.0.0.1", int(args.store), args.npes, args.rank == 0,
+                          timeout=datetime.timedelta(seconds=60))
+    keys = []
+    for again in (False, True):
+        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.npes)
+        if again and args.rank == 0:
+            time.sleep(args.hold)
+        with PeerBuffer(args.nbytes, dist.group.WORLD, device="cpu", timeout=args.timeout) as buf:
+            keys.append(buf.group_key)
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"keys": keys}
+
+
+def process_group_without_rank_0(args) -> dict:
+    """Rank 0 makes the process group but never calls peerd: the others' PeerBuffer and tp_agree end at
+    their timeout, with peerd's error and False, not torch's store error."""
+    import torch.distributed as dist
+
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.npes)
+    if args.rank == 0:
+        time.sleep(args.hold)
+        return {}
+    try:
+        PeerBuffer(args.nbytes, dist.group.WORLD, device="cpu", timeout=args.timeout)
+    except MonoUnsupported as err:
+        raised = {"code": err.code, "message": str(err)}
+    return {"raised": raised, "agreed": tp_agree(True, dist.group.WORLD, timeout=args.timeout)}
 
 
 def dropped(args) -> dict:
@@ -1054,6 +1097,8 @@ SCENARIOS = {
     "agree": agree,
     "join": join,
     "process_group": process_group,
+    "process_group_again": process_group_again,
+    "process_group_without_rank_0": process_group_without_rank_0,
     "dropped": dropped,
     "no_torch": no_torch,
     "job": job,
@@ -1099,6 +1144,7 @@ def main() -> None:
     parser.add_argument("--votes", default="1")
     parser.add_argument("--agree-npes", type=int, default=None, help="agree_npes: the first round's npes")
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--first-timeout", default=None, help="agree_npes: the first round's timeout")
     parser.add_argument("--hold", type=float, default=0.0)
     parser.add_argument("--linger", action="store_true", help="after the result, live on until a line on stdin")
     parser.add_argument("--flags", type=int, default=0)

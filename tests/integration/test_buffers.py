@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -65,22 +66,39 @@ def test_mismatched_npes_fails_every_rank(daemon):
         assert "npes=3 but rank 0 (pid" in r["message"] and "npes=2" in r["message"]
 
 
-@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
-def test_tp_agree_with_a_wrong_npes_fails_its_peers_round_at_once(daemon, pages):
-    """Rank 1 calls tp_agree as one of 3 in a group of 2: it raises MISMATCH, and its no ends rank 0's round
-    at once (rank 0 waited out the 30 s timeout, told rank 1 was absent); the next round finds both in step."""
+def refused_first_round(daemon, pages: bool, code: str, *wrong_args: str) -> list:
+    """Two ranks hold a set and agree twice, rank 1's first call made with ``wrong_args``: it raises ``code``,
+    and its no ends rank 0's round at once (rank 0 waited out the 30 s timeout, told rank 1 was absent);
+    the next round finds both in step. Rank 1's first round, for the test to look at its message."""
     if not pages:
         daemon.stop()
         daemon.args = ("--control-pages", "false")
         daemon.start()
-    procs = [start_rank(daemon, "agree_npes", r, 2, "--group", "wrong-npes", "--timeout", "30",
-                        *(["--agree-npes", "3"] if r == 1 else [])) for r in range(2)]
+    procs = [start_rank(daemon, "agree_npes", r, 2, "--group", "refused", "--timeout", "30",
+                        *(wrong_args if r == 1 else [])) for r in range(2)]
     first, wrong = (finish(p)["rounds"] for p in procs)
-    assert wrong[0]["verdict"]["code"] == "MISMATCH" and "npes=2" in wrong[0]["verdict"]["message"], wrong
+    assert wrong[0]["verdict"]["code"] == code, wrong
     assert first[0]["verdict"] is False and first[0]["seconds"] < 15, first
     assert first[1]["verdict"] is True and wrong[1]["verdict"] is True, (first, wrong)
+    return wrong[0]
+
+
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+def test_tp_agree_with_a_wrong_npes_fails_its_peers_round_at_once(daemon, pages):
+    """Rank 1 calls tp_agree as one of 3 in a group of 2."""
+    refused = refused_first_round(daemon, pages, "MISMATCH", "--agree-npes", "3")
+    assert "npes=2" in refused["verdict"]["message"], refused
     if not pages:
         assert "rank 1: called tp_agree with npes=3, but the group has npes=2" in daemon.logs()
+
+
+@pytest.mark.parametrize("pages", [True, False], ids=["page", "messages"])
+@pytest.mark.parametrize("bad", ["0", "-1", "nan"])
+def test_tp_agree_refused_for_its_timeout_still_votes_no_in_its_round(daemon, pages, bad):
+    """Rank 1's first tp_agree passes an unusable timeout (a deadline already past, say); its call used to
+    count as no round, and the ranks' answers went out of step."""
+    refused = refused_first_round(daemon, pages, "BAD_REQUEST", "--first-timeout", bad)
+    assert "timeout" in refused["verdict"]["message"], refused
 
 
 def test_rendezvous_timeout_fails_every_waiting_rank_naming_the_missing(daemon):
@@ -114,6 +132,30 @@ def test_several_named_buffer_sets_per_group_and_the_process_group_form(daemon, 
     assert results[0]["key"] == results[1]["key"] and results[0]["key"].startswith("pg-")
     assert [r["rank"] for r in results] == [0, 1] and {r["npes"] for r in results} == {2}
     assert daemon.settled_segments() == []
+
+
+def test_a_process_group_made_again_over_its_store_gets_a_key_of_its_own_on_every_rank(daemon):
+    """destroy_process_group, then init_process_group over the same TCPStore: the second group's rank 0
+    comes 2 s after its peer, which once read the first group's key still in the store and waited alone."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = run_ranks(daemon, "process_group_again", 2, "--store", str(port), "--hold", "2", "--timeout", "20")
+    assert all(r["ok"] for r in results), results
+    first, second = (list(keys) for keys in zip(*(r["keys"] for r in results)))
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0], results
+
+
+def test_a_process_group_whose_rank_0_never_comes_is_peerds_timeout_and_a_false_round(daemon, socket_dir):
+    """Rank 0 made the group but never calls peerd: its peer's PeerBuffer raises MonoUnsupported (TIMEOUT)
+    naming rank 0, not torch's store error, and its tp_agree is False, as for any absent rank."""
+    late, waiting = run_ranks(daemon, "process_group_without_rank_0", 2, "--store", f"{socket_dir}/store",
+                              "--hold", "8", "--timeout", "3")
+    assert late["ok"], late
+    assert waiting["raised"]["code"] == "TIMEOUT", waiting
+    assert "rank 0 of process group '0' did not give the group its peerd key within 3s" in \
+        waiting["raised"]["message"], waiting
+    assert waiting["agreed"] is False, waiting
 
 
 def test_a_released_set_can_be_joined_again(daemon):
