@@ -288,8 +288,9 @@ class SetIndex:
 
 
 def listing_position(bset: BufferSet) -> tuple:
-    """Where a set sorts in `ls`, and what a client's cursor names: group, name, owner uid."""
-    return bset.group, bset.name, -1 if bset.owner_uid is None else bset.owner_uid
+    """Where a set sorts in `ls`, and what a client's cursor names: group, name, owner uid, and the set's id,
+    which tells apart the sets of one key (a retired one still held, and the one joining)."""
+    return bset.group, bset.name, -1 if bset.owner_uid is None else bset.owner_uid, bset.id
 
 
 def listing_entry(b: BufferSet, now: float) -> dict[str, Any]:
@@ -298,6 +299,7 @@ def listing_entry(b: BufferSet, now: float) -> dict[str, Any]:
         "group": b.group,
         "uid": b.owner_uid,
         "name": b.name,
+        "set": b.id,
         "state": b.state.value,
         "npes": b.npes,
         "joined": sorted(b.slots),

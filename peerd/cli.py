@@ -181,14 +181,15 @@ def _ask(socket_path: str, op: str, body: dict | None = None) -> dict:
 
 
 def _buffer_sets(conn: Any, after: list | None = None) -> Iterator[dict]:
-    """Every buffer set after the cursor [group, name, uid], in that order, page by page (a page is one reply)."""
+    """Every buffer set after the cursor [group, name, uid, set], in that order, page by page (a page is one
+    reply)."""
     while True:
         page = _call(conn, "ls", {"after": after})
         yield from page["groups"]
         if not page["more"] or not page["groups"]:
             return
         last = page["groups"][-1]
-        after = [last["group"], last["name"], -1 if last["uid"] is None else last["uid"]]
+        after = [last["group"], last["name"], -1 if last["uid"] is None else last["uid"], last["set"]]
 
 
 @main.command()

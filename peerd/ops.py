@@ -71,9 +71,10 @@ class Op:
 def _cursor(value: list | None) -> str | None:
     if value is None:
         return None
-    if (len(value) != 3 or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
-            or isinstance(value[2], bool) or not isinstance(value[2], int)):
-        return f"must be [group, name, uid]: two strings of at most {MAX_KEY_CHARS} characters and an integer"
+    if (len(value) not in (3, 4) or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value[2:])):
+        return (f"must be [group, name, uid, set] (or [group, name, uid]: before every set of that key): two "
+                f"strings of at most {MAX_KEY_CHARS} characters and integers")
     return None
 
 
@@ -197,8 +198,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("status", "The daemon's health and picture, for `peerd status` (other users' groups only to "
        "administrators).",
        {}, {**_HELLO, "health": Field(str), "problems": Field(list), "draining": Field(bool)}),
-    Op("ls", "One page of the caller's buffer sets in (group, name, uid) order, after the cursor (the last "
-       "entry of the previous page; null: from the start).",
+    Op("ls", "One page of the caller's buffer sets in (group, name, uid, set) order, after the cursor (the "
+       "position of the last entry of the previous page; null: from the start).",
        {"after": Field((list, type(None)), _cursor, None), "limit": Field(int, between(1, MAX_LS_PAGE), MAX_LS_PAGE)},
        {"groups": Field(list, _each(dict)), "more": Field(bool)}),
 )}

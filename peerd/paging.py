@@ -1,8 +1,10 @@
 """`ls` in pages: a listing at the limits (4096 sets of the longest keys) still fits a reply.
 
-Entries sort by (group, name, owner uid); a client's cursor is the position
-of the last entry it received, so pages never repeat or skip a set however
-many users share a key. Only the page's entries are rendered: a user asking
+Entries sort by (group, name, owner uid, set id); a client's cursor is the
+position of the last entry it received, so pages never repeat or skip a set
+however many users share a key, nor however many sets one key has (a
+retired set still held beside the one joining: a cursor without the set id
+skipped the rest of them). Only the page's entries are rendered: a user asking
 for `ls` in a loop costs the daemon a sort of its own sets' keys per page,
 not a description of every one of them.
 """

@@ -47,6 +47,34 @@ def test_ls_shows_each_group_while_it_is_held(daemon):
         p.wait(timeout=30)
 
 
+def test_ls_pages_through_every_set_of_a_key_one_at_a_time(daemon):
+    """A key with two sets (a left set its peer still holds, and the one joining in its place): a page of
+    one set at a time lists both, as `status` counts them (the cursor named no set, and skipped the second)."""
+    from peerd_client.connection import Connection
+
+    holder = start_rank(daemon, "join", 1, 2, "--group", "twice", "--hold", "-1", stdin=subprocess.PIPE)
+    finish(start_rank(daemon, "join", 0, 2, "--group", "twice"))  # leaves the live set to its peer
+    again = start_rank(daemon, "join", 0, 2, "--group", "twice", "--timeout", "60")
+    conn = Connection(daemon.socket)
+    try:
+        wait_until(lambda: f"rank=0 pid={again.pid} joined" in daemon.logs(), 60, "the second join")
+        seen, after = [], None
+        while True:
+            page = conn.call("ls", {"after": after, "limit": 1})
+            seen += page["groups"]
+            if not page["more"]:
+                break
+            last = seen[-1]
+            after = [last["group"], last["name"], last["uid"], last["set"]]
+        assert sorted(e["state"] for e in seen) == ["joining", "live"], seen
+        assert [e["group"] for e in json.loads(daemon.cli("ls", "--json").stdout)] == ["twice", "twice"]
+    finally:
+        conn.close()
+        for proc in (holder, again):
+            proc.kill()
+            proc.wait()
+
+
 def test_a_second_daemon_on_the_same_socket_refuses_to_start(daemon):
     second = subprocess.run(
         [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", daemon.socket],

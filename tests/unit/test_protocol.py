@@ -151,7 +151,8 @@ def test_the_largest_valid_request_of_every_op_fits_the_daemons_frame_cap():
     longest = {
         "group": key, "name": key, "device": key, "reason": "\U0001F600" * protocol.MAX_REASON_CHARS,
         "rank": protocol.MAX_RANKS - 1, "npes": protocol.MAX_RANKS, "nbytes": protocol.MAX_NBYTES,
-        "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S, "after": [key, key, (1 << 32) - 1], "uid": (1 << 32) - 1,
+        "flags": protocol.KNOWN_FLAGS, "ok": False, "timeout": protocol.MAX_TIMEOUT_S,
+        "after": [key, key, (1 << 32) - 1, (1 << 64) - 1], "uid": (1 << 32) - 1,
         "limit": protocol.MAX_LS_PAGE, "page": True, "set": (1 << 63) - 1, "own_pid": [key, ops.MAX_PID],
     }
     for op, schema in ((name, op.request) for name, op in ops.OPS.items()):
