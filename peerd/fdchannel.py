@@ -317,34 +317,65 @@ class FdRequest:
     ``fetch_fds`` does; ``close()`` (or the with block) drops a reply never read, fds included."""
 
     def __init__(self, path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> None:
-        self.path = path
+        self.path, self._slot, self._daemon_pid = path, slot, daemon_pid
         self._deadline = time.monotonic() + timeout
-        self._sock = connect(path, timeout)
+        self._pause_s = 0.005
+        self._sock = self._ask()
+
+    def _ask(self) -> socket.socket:
+        """A connection that carries the request, asked again on a new one where the daemon hung up
+        before it read it (it makes room for a user's newer connections past MAX_CONNECTIONS_PER_UID
+        unanswered ones), until the request's deadline."""
+        while True:
+            try:
+                return self._send()
+            except (BrokenPipeError, ConnectionResetError):
+                self._wait_to_ask_again()
+
+    def _send(self) -> socket.socket:
+        sock = connect(self.path, self._deadline - time.monotonic())
         try:
-            server = peer_credentials(self._sock).pid
-            if daemon_pid is not None and server not in (0, daemon_pid):
+            server = peer_credentials(sock).pid
+            if self._daemon_pid is not None and server not in (0, self._daemon_pid):
                 raise ConnectionError(
-                    f"the fd channel at {path} is served by pid {server}, not by the daemon (pid {daemon_pid}); "
-                    "refusing its memory: check who created that socket"
+                    f"the fd channel at {self.path} is served by pid {server}, not by the daemon (pid "
+                    f"{self._daemon_pid}); refusing its memory: check who created that socket"
                 )
-            self._sock.send(msgpack.packb(slot, use_bin_type=True))
+            sock.send(msgpack.packb(self._slot, use_bin_type=True))
         except BaseException:
-            self._sock.close()
+            sock.close()
             raise
+        return sock
+
+    def _wait_to_ask_again(self) -> None:
+        if time.monotonic() + self._pause_s >= self._deadline:
+            raise ConnectionError(f"the daemon's fd channel at {self.path} hung up before it read this "
+                                  "process's request, until its deadline (it drops a user's oldest connections "
+                                  f"past {MAX_CONNECTIONS_PER_UID} unanswered ones)")
+        time.sleep(self._pause_s)
+        self._pause_s = min(self._pause_s * 2, 0.1)
 
     def reply(self) -> tuple[list[bytes], list[int]]:
         """The handles and their fds, as ``fetch_fds`` returns them; waits until the request's deadline."""
-        path, sock = self.path, self._sock
+        path = self.path
         fds: list[int] = []
         try:
             handles: list[bytes] | None = None
             index: list[int] = []
             distinct = 0
             while handles is None or len(fds) < distinct:
-                _wait_at_most(sock, self._deadline - time.monotonic())
-                data, received, flags, _ = socket.recv_fds(
-                    sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
-                )
+                _wait_at_most(self._sock, self._deadline - time.monotonic())
+                try:
+                    data, received, flags, _ = socket.recv_fds(
+                        self._sock, MAX_REPLY_BYTES, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC
+                    )
+                except ConnectionResetError:  # hung up on with the request still unread in the connection
+                    data, received, flags = b"", [], 0
+                if handles is None and not data and not received:  # hung up on: the request was never read
+                    self._sock.close()
+                    self._wait_to_ask_again()
+                    self._sock = self._ask()
+                    continue
                 fds += received
                 if flags & socket.MSG_CTRUNC:
                     raise ConnectionError(

@@ -136,6 +136,63 @@ def test_memory_from_another_process_than_the_daemon_is_refused(channel):
     os.close(answers[0][1][0])
 
 
+def test_a_request_whose_connection_was_dropped_for_newer_ones_asks_again(channel, monkeypatch):
+    """A worker descheduled between its connect and its request finds its connection the uid's oldest
+    unanswered one when MAX_CONNECTIONS_PER_UID newer ones come: the channel drops it unread, and the
+    worker asks again on a new connection (its setup failed: 'Broken pipe')."""
+    import socket
+
+    import peerd.fdchannel as fdchannel
+
+    path, answers = channel
+    answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
+    newer: list[socket.socket] = []
+    real_send = fdchannel.FdRequest._send
+
+    def crowded(self):
+        if newer:
+            return real_send(self)
+        sock = fdchannel.connect(path, 5)
+        time.sleep(0.2)  # accepted, nothing to read yet
+        for _ in range(fdchannel.MAX_CONNECTIONS_PER_UID):
+            newer.append(fdchannel.connect(path, 5))
+        time.sleep(0.2)  # they are accepted, and the first is dropped for them
+        sock.send(b"too late")  # raises: the request never goes out on it
+        return sock
+
+    monkeypatch.setattr(fdchannel.FdRequest, "_send", crowded)
+    try:
+        handles, fds = fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10)
+    finally:
+        for sock in newer:
+            sock.close()
+    assert handles == [b"h"] and len(fds) == 1 and answers["asked"] == [0], answers
+    os.close(fds[0])
+    os.close(answers[0][1][0])
+
+
+def test_a_request_read_by_nobody_before_its_connection_closed_asks_again(channel, monkeypatch):
+    """The same drop after the request went out (it waited in the connection unread): the worker reads
+    the hang-up, not a reply, and asks again."""
+    from peerd.fdchannel import FdChannelServer
+
+    path, answers = channel
+    answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
+    real_respond, dropped = FdChannelServer._respond, []
+
+    def drop_the_first(self, fd, now):
+        if dropped:
+            return real_respond(self, fd, now)
+        dropped.append(fd)
+        self._drop(fd)
+
+    monkeypatch.setattr(FdChannelServer, "_respond", drop_the_first)
+    handles, fds = fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10)
+    assert handles == [b"h"] and len(fds) == 1 and len(dropped) == 1 and answers["asked"] == [0], answers
+    os.close(fds[0])
+    os.close(answers[0][1][0])
+
+
 def test_a_refusal_carries_the_daemons_code(channel):
     path, answers = channel
     answers[1] = ProtocolError(ErrorCode.NOT_MEMBER, "rank 1 belongs to pid 1")
