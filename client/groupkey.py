@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import operator
 import os
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -131,5 +132,10 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                 f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size})"
             )
         return Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and type(group) is type(dist.GroupMember.NON_GROUP_MEMBER) and \
+            group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("this process is not a member of that process group (dist.new_group gave it "
+                         "GroupMember.NON_GROUP_MEMBER): only the group's ranks build its PeerBuffer or agree in it")
     raise TypeError(f"group must be a string key, a torch ProcessGroup or None (a single rank), "
                     f"not {type(group).__name__}")

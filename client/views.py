@@ -28,7 +28,13 @@ def worker_device(device=None):
     torch = require_torch()
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)  # an ordinal, as torch reads one, without asking torch for a GPU
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:  # a typo must not read as "no GPU here", which engines fall back on
+        raise ValueError(f"device={device!r} is no torch device ({str(err).splitlines()[0]}): pass a torch.device, 'cpu', 'cuda' "
+                         "or 'cuda:N'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable(f"torch sees no GPU here (torch.cuda.is_available() is False, torch "
                                  f"{torch.__version__}), so it cannot use {device}: pass device=torch.device('cpu')")

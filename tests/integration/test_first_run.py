@@ -58,6 +58,17 @@ def test_a_rank_whose_backend_is_missing_fails_with_a_code_and_its_peers_learn_a
     waiting.communicate("go\n", timeout=60)
 
 
+def test_a_device_torch_does_not_know_is_a_programming_error_not_a_missing_backend(daemon):
+    """device='gpu' (a typo): a ValueError naming it, which an engine does not take for "no GPU here" and
+    fall back on silently; its peer learns at once."""
+    waiting = start_rank(daemon, "join", 1, 2, "--group", "typo", "--timeout", "600")
+    wait_until(lambda: "group=typo name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
+    (typo,) = run_ranks(daemon, "join", 2, "--group", "typo", "--device", "gpu", ranks=[0])
+    assert typo["type"] == "ValueError" and "device='gpu' is no torch device" in typo["message"], typo
+    peer = finish(waiting)
+    assert peer["code"] == "GROUP_FAILED" and "device='gpu'" in peer["message"], peer
+
+
 def test_a_size_past_the_limit_names_the_daemons_limit_in_human_units(daemon):
     (result,) = run_ranks(daemon, "join", 1, "--group", "huge", "--nbytes", str(1 << 50))
     assert result["code"] == "LIMIT_EXCEEDED", result

@@ -51,3 +51,13 @@ def test_a_gpu_device_against_a_daemon_serving_host_memory_says_so():
                                                  r"for cuda:0: pass device=torch.device\('cpu'\)"):
         backend_for(torch.device("cuda", 0), "host")
     assert backend_for(torch.device("cuda", 0), "cuda") == "cuda" and backend_for(torch.device("cpu"), "cuda") == "host"
+
+
+def test_a_process_outside_a_process_group_is_told_so_not_that_its_group_is_an_int():
+    """dist.new_group gives a process outside the group GroupMember.NON_GROUP_MEMBER (an int)."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="this process is not a member of that process group"):
+        resolve(dist.GroupMember.NON_GROUP_MEMBER, None, None, 1.0)
+    with pytest.raises(TypeError, match="not int"):
+        resolve(5, None, None, 1.0)
