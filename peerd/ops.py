@@ -73,7 +73,7 @@ def _cursor(value: list | None) -> str | None:
         return None
     if (len(value) not in (3, 4) or not all(isinstance(v, str) and len(v) <= MAX_KEY_CHARS for v in value[:2])
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in value[2:])):
-        return (f"must be [group, name, uid, set] (or [group, name, uid]: before every set of that key): two "
+        return (f"must be [group, name, uid, set] (or [group, name, uid]: after every set of that key): two "
                 f"strings of at most {MAX_KEY_CHARS} characters and integers")
     return None
 

@@ -22,9 +22,10 @@ T = TypeVar("T")
 def page(things: list[T], position: Callable[[T], tuple], render: Callable[[T], dict[str, Any]],
          after: list | None, limit: int, max_bytes: int) -> tuple[list[dict], bool]:
     """The rendered entries after the cursor, at most ``limit`` of them and about ``max_bytes`` packed; whether
-    more follow. ``position`` is where a thing sorts (and what a cursor names); ties keep their order."""
+    more follow. ``position`` is where a thing sorts (and what a cursor names); ties keep their order. A
+    cursor shorter than a position is a prefix: after every thing that shares it."""
     things = sorted(things, key=position)
-    start = 0 if after is None else bisect.bisect_right(things, tuple(after), key=position)
+    start = 0 if after is None else bisect.bisect_right(things, tuple(after), key=lambda t: position(t)[:len(after)])
     shown: list[dict] = []
     size = 0
     for thing in things[start:start + limit]:

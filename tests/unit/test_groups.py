@@ -671,7 +671,9 @@ def test_listing_shows_admins_every_uid_and_others_their_own(mem):
     assert reg.listing(0.0, 7) == ([], False)
     first, more = reg.listing(0.0, 0, limit=1)
     assert [(e["group"], e["uid"]) for e in first] == [("a", 1000)] and more
-    rest, more = reg.listing(0.0, 0, after=["a", "n", 1000])
+    rest, more = reg.listing(0.0, 0, after=["a", "n", 1000])  # an older client's cursor: after that key's sets
+    assert [(e["group"], e["uid"]) for e in rest] == [("b", 1000), ("b", 1001)] and not more
+    rest, more = reg.listing(0.0, 0, after=["a", "n", 1000, first[0]["set"]])
     assert [(e["group"], e["uid"]) for e in rest] == [("b", 1000), ("b", 1001)] and not more
 
 
