@@ -11,7 +11,8 @@ A group made again over the same store (``destroy_process_group``, then
 where the earlier group's token still lies: a rank that came before rank 0
 read it back and waited in another group than its peers. So each rank
 counts itself in (``store.add``; a process resolves a group once, then
-remembers its key) and the count names the instance whose token it reads.
+remembers its key) and the count names the instance whose token it reads;
+a rank that gives up waiting for rank 0 counts itself out again.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def _process_group_key(pg, rank: int, npes: int, timeout: float) -> str:
         try:
             store.wait([slot], datetime.timedelta(seconds=timeout))
         except RuntimeError as err:  # torch's DistStoreError: rank 0 has not come
+            store.add(COUNT_KEY, -1)  # counted out: a later call on this group counts itself in again
             raise MonoUnsupported(
                 f"rank 0 of process group {pg.group_name!r} did not give the group its peerd key within "
                 f"{timeout:g}s ({err}): it has not reached its first PeerBuffer or tp_agree on this group, or "

@@ -112,29 +112,6 @@ def process_group(args) -> dict:
     return {"agreed": ok, "seen": seen, "rank": a.rank, "npes": a.npes, "key": key}
 
 
-def process_group_again(args) -> dict:
-    """A group made twice over one TCPStore (destroy_process_group, then init_process_group): the second
-    time rank 0 comes last, after its peers read the store, where the first group's key still lay."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from peerd_client import PeerBuffer
-
-    store = dist.TCPStore("127.0.0.1", int(args.store), args.npes, args.rank == 0,
-                          timeout=datetime.timedelta(seconds=60))
-    keys = []
-    for again in (False, True):
-        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.npes)
-        if again and args.rank == 0:
-            time.sleep(args.hold)
-        with PeerBuffer(args.nbytes, dist.group.WORLD, device="cpu", timeout=args.timeout) as buf:
-            keys.append(buf.group_key)
-        dist.barrier()
-        dist.destroy_process_group()
-    return {"keys": keys}
-
-
 def process_group_without_rank_0(args) -> dict:
     """Rank 0 makes the process group but never calls peerd: the others' PeerBuffer and tp_agree end at
     their timeout, with peerd's error and False, not torch's store error."""
@@ -1097,7 +1074,6 @@ SCENARIOS = {
     "agree": agree,
     "join": join,
     "process_group": process_group,
-    "process_group_again": process_group_again,
     "process_group_without_rank_0": process_group_without_rank_0,
     "dropped": dropped,
     "no_torch": no_torch,

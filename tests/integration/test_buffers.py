@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -132,18 +131,6 @@ def test_several_named_buffer_sets_per_group_and_the_process_group_form(daemon, 
     assert results[0]["key"] == results[1]["key"] and results[0]["key"].startswith("pg-")
     assert [r["rank"] for r in results] == [0, 1] and {r["npes"] for r in results} == {2}
     assert daemon.settled_segments() == []
-
-
-def test_a_process_group_made_again_over_its_store_gets_a_key_of_its_own_on_every_rank(daemon):
-    """destroy_process_group, then init_process_group over the same TCPStore: the second group's rank 0
-    comes 2 s after its peer, which once read the first group's key still in the store and waited alone."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    results = run_ranks(daemon, "process_group_again", 2, "--store", str(port), "--hold", "2", "--timeout", "20")
-    assert all(r["ok"] for r in results), results
-    first, second = (list(keys) for keys in zip(*(r["keys"] for r in results)))
-    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0], results
 
 
 def test_a_process_group_whose_rank_0_never_comes_is_peerds_timeout_and_a_false_round(daemon, socket_dir):

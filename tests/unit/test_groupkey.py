@@ -61,3 +61,54 @@ def test_a_process_outside_a_process_group_is_told_so_not_that_its_group_is_an_i
         resolve(dist.GroupMember.NON_GROUP_MEMBER, None, None, 1.0)
     with pytest.raises(TypeError, match="not int"):
         resolve(5, None, None, 1.0)
+
+
+def _keys_of_a_group_made_twice(rank: int, port: int, out) -> None:
+    """One rank: the key of a process group, then of the group made again over the same store (after
+    destroy_process_group and init_process_group), where rank 0 comes after its peer gave up once."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    c10d._get_process_group_store = lambda pg: store  # both groups' store: the same prefix, so the same keys
+
+    class Group:
+        group_name = "0"  # torch names the default group "0" each time it is made
+
+    keys = []
+    for again in (False, True):
+        if again and rank == 0:
+            time.sleep(1.5)
+        elif again:  # gives up on rank 0 once, then asks again: counted out, it counts itself in again
+            with pytest.raises(groupkey.MonoUnsupported, match="rank 0 of process group '0' did not give"):
+                groupkey._process_group_key(Group(), rank, 2, 0.5)
+        keys.append(groupkey._process_group_key(Group(), rank, 2, 20.0))
+    out.put((rank, keys))
+
+
+def test_a_process_group_made_again_over_its_store_gets_a_key_of_its_own_on_every_rank():
+    """The earlier group's key still lies in the store: a rank that came before rank 0 read it back and
+    waited alone in the old group's sets (real processes, a real TCPStore; gloo itself is not needed)."""
+    import multiprocessing
+    import socket
+
+    pytest.importorskip("torch")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    ranks = [ctx.Process(target=_keys_of_a_group_made_twice, args=(r, port, out)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        keys = dict(out.get(timeout=60) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert keys[0] == keys[1] and keys[0][0] != keys[0][1], keys
