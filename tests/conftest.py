@@ -190,13 +190,28 @@ def start_rank(daemon: Daemon, scenario: str, rank: int, npes: int, *args: str, 
 
 
 def finish(proc: subprocess.Popen, timeout: float = 90) -> dict:
-    out, err = proc.communicate(timeout=timeout)
+    """The rank's result; a rank still running at ``timeout`` is killed and reaped first, so no test leaves
+    one behind for a later test's process bookkeeping to trip on."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"rank did not finish within {timeout:g}s (killed):\n{out}\n{err}") from None
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert lines, f"rank printed no result (exit {proc.returncode}):\n{out}\n{err}"
     return json.loads(lines[-1])
 
 
 def run_ranks(daemon: Daemon, scenario: str, npes: int, *args: str, ranks=None, timeout: float = 90) -> list[dict]:
-    """Start the ranks (all of them by default) at once; their results by rank."""
+    """Start the ranks (all of them by default) at once; their results by rank. Where one fails to
+    finish, the others are killed and reaped too."""
     procs = [start_rank(daemon, scenario, r, npes, *args) for r in (ranks if ranks is not None else range(npes))]
-    return [finish(p, timeout) for p in procs]
+    try:
+        return [finish(p, timeout) for p in procs]
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        raise
