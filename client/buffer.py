@@ -12,7 +12,7 @@ from peerd.fdchannel import fetch_fds
 from peerd.paths import fd_socket_path
 from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
-from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_timeout, connection
+from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_fields, checked_timeout, connection
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Membership, integral, remember, resolve
 from .mappings import ChunkKey, mappings
@@ -111,7 +111,7 @@ class PeerBuffer:
         self.rank, self.npes, self.nbytes, self.name = member.rank, member.npes, nbytes, name
         self.group_key = member.key
         where = f"group={member.key} name={name} rank {member.rank}"
-        device_identity = self._take_part(conn, member, nbytes, device, where, unusable)
+        device_identity = self._take_part(conn, member, nbytes, flags, device, where, unusable)
 
         try:
             joined = conn.call(
@@ -233,20 +233,21 @@ class PeerBuffer:
             self._addresses_copied = torch.cuda.Event()
             self._addresses_copied.record(torch.cuda.current_stream(self.device))
 
-    def _take_part(self, conn, member: Membership, nbytes: int, device, where: str,
+    def _take_part(self, conn, member: Membership, nbytes: int, flags: int, device, where: str,
                    unusable: MonoUnsupported | None) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
 
-        A rank whose size, timeout, device or backend is unusable here tells
-        the daemon, so its peers fail at once with the reason instead of
+        A rank whose size, flags, timeout, device or backend is unusable here
+        tells the daemon, so its peers fail at once with the reason instead of
         waiting out the rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE,
-        or ``unusable``: its timeout's BAD_REQUEST), or the ValueError of a size
-        or device peerd does not serve.
+        or the BAD_REQUEST of a field the protocol refuses), or the ValueError
+        of a size or device peerd does not serve.
         """
         try:
             if unusable is not None:
                 raise unusable
             _check_size(nbytes)
+            checked_fields("PeerBuffer", "join", {"npes": member.npes, "nbytes": nbytes, "flags": flags})
             self.device = worker_device(device)
             self._mapper = backend_mapper(backend_for(self.device, conn.hello["backend"]))
             return self._mapper.device_identity(self.device.index)
@@ -258,7 +259,7 @@ class PeerBuffer:
                                            "reason": reason[:MAX_REASON_CHARS]})
             except MonoUnsupported as refused:
                 log.warning("%s: the daemon did not take the withdrawal: %s", where, refused)
-            if isinstance(err, (ValueError, TypeError)) or err is unusable:
+            if isinstance(err, (ValueError, TypeError, MonoUnsupported)):
                 raise
             raise MonoUnsupported(f"this rank cannot take part ({where}): {reason}", BACKEND_UNAVAILABLE) from err
 

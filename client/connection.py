@@ -449,14 +449,21 @@ def _checked(op: str, body: dict[str, Any]) -> dict[str, Any]:
         raise MonoUnsupported(err.message, err.code.value) from None
 
 
+def checked_fields(where: str, op: str, values: dict[str, Any]) -> None:
+    """MonoUnsupported (BAD_REQUEST) naming the first of ``values`` that ``op``'s request refuses: checked
+    before anything is sent or waits on them, so a rank can tell its peers instead of only raising."""
+    schema = OPS[op].request
+    try:
+        check_fields(where, {name: schema[name] for name in values}, values, closed=True)
+    except ProtocolError as err:
+        raise MonoUnsupported(err.message, err.code.value) from None
+
+
 def checked_timeout(where: str, timeout: float | None) -> None:
     """MonoUnsupported (BAD_REQUEST) naming ``timeout`` unless it is a wait the protocol carries (or None
     for the daemon's default): checked before anything waits on it (an infinite one overflowed a lock's
     wait, a string failed in arithmetic)."""
-    try:
-        check_fields(where, {"timeout": OPS["agree"].request["timeout"]}, {"timeout": timeout}, closed=True)
-    except ProtocolError as err:
-        raise MonoUnsupported(err.message, err.code.value) from None
+    checked_fields(where, "agree", {"timeout": timeout})
 
 
 class Undelivered:

@@ -69,6 +69,18 @@ def test_a_device_torch_does_not_know_is_a_programming_error_not_a_missing_backe
     assert peer["code"] == "GROUP_FAILED" and "device='gpu'" in peer["message"], peer
 
 
+@pytest.mark.parametrize("wrong", [("--flags", "8"), ("--nbytes", str(1 << 64))], ids=["flags", "nbytes"])
+def test_a_field_the_protocol_refuses_is_told_to_the_peers_at_once(daemon, wrong):
+    """An unknown flag bit, or a size past any the protocol carries: BAD_REQUEST on that rank, found before
+    its join, so its withdrawal fails the peer waiting (which waited out its rendezvous, told it never joined)."""
+    waiting = start_rank(daemon, "join", 1, 2, "--group", "refused-field", "--timeout", "600")
+    wait_until(lambda: "group=refused-field name=default rank=1" in daemon.logs(), 90, "rank 1 to join")
+    (refused,) = run_ranks(daemon, "join", 2, "--group", "refused-field", *wrong, ranks=[0])
+    assert refused["code"] == "BAD_REQUEST" and wrong[0][2:] in refused["message"], refused
+    peer = finish(waiting, timeout=60)
+    assert peer["code"] == "GROUP_FAILED" and "cannot take part" in peer["message"], peer
+
+
 def test_a_size_past_the_limit_names_the_daemons_limit_in_human_units(daemon):
     (result,) = run_ranks(daemon, "join", 1, "--group", "huge", "--nbytes", str(1 << 50))
     assert result["code"] == "LIMIT_EXCEEDED", result
