@@ -86,7 +86,8 @@ def _process_group_key(pg, rank: int, npes: int, timeout: float) -> str:
             raise MonoUnsupported(
                 f"rank 0 of process group {pg.group_name!r} did not give the group its peerd key within "
                 f"{timeout:g}s ({err}): it has not reached its first PeerBuffer or tp_agree on this group, or "
-                "it died; every rank makes the same calls on a group in the same order", ErrorCode.TIMEOUT.value) from None
+                "it died; every rank makes the same calls on a group in the same order",
+                ErrorCode.TIMEOUT.value) from None
         key = f"pg-{pg.group_name}-{store.get(slot).decode()}"
         _pg_keys[id(pg)] = (pg, key)
         return key

@@ -33,8 +33,8 @@ def worker_device(device=None):
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as err:  # a typo must not read as "no GPU here", which engines fall back on
-        raise ValueError(f"device={device!r} is no torch device ({str(err).splitlines()[0]}): pass a torch.device, 'cpu', 'cuda' "
-                         "or 'cuda:N'") from None
+        raise ValueError(f"device={device!r} is no torch device ({str(err).splitlines()[0]}): pass a "
+                         "torch.device, 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable(f"torch sees no GPU here (torch.cuda.is_available() is False, torch "
                                  f"{torch.__version__}), so it cannot use {device}: pass device=torch.device('cpu')")

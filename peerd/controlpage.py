@@ -111,13 +111,13 @@ Write order and why nobody reads half a write:
   consistent store, so both precede it), whose crc32 and length describe
   the text. An aborter that finds the word taken writes nothing: two ranks
   that saw the same peer stopped at once both wrote their text, and their
-  peers read neither reason (seen in a GPU test). A
-  reader that sees a claim waits up to ABORT_TEXT_WAIT_S for the final
-  word (an aborter stopped or killed in between leaves the code alone); one
-  that sees the final word issues an acquire fence and reads a complete
-  reason; a text the crc does not match (a member wrote over it) is
-  reported as overwritten, with the code alone. Kernels only test the word
-  for non-zero.
+  peers read neither reason (seen in a GPU test). A reader that sees a
+  claim waits up to ABORT_TEXT_WAIT_S for the final word (an aborter
+  stopped or killed in between leaves the code alone); one that sees the
+  final word issues an acquire fence and reads a complete reason; a text
+  the crc does not match (a member wrote over it) is reported as
+  overwritten, with the code alone. Kernels only test the word for
+  non-zero.
 * The verdict of round k is decided once, by compare-and-swap (lock-free
   on 8 aligned bytes) into its
   ring entry: the first rank to propose wins and every rank answers what the
