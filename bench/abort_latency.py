@@ -55,7 +55,8 @@ def worker(args) -> None:
         outcome = {"raised_at": None}
     except Exception as err:
         raised, raised_mono = time.time(), time.monotonic()
-        outcome = {"raised_at": raised, "after_abort": raised_mono - link_for(args.group).page.aborted_at,
+        written = link_for(args.group).page.aborted_at  # None: its aborter stopped before writing the instant
+        outcome = {"raised_at": raised, "after_abort": None if written is None else raised_mono - written,
                    "type": type(err).__name__, "message": str(err)}
     print(json.dumps(outcome), flush=True)
 
@@ -81,7 +82,8 @@ def one_run(npes: int, args) -> tuple[list[float], list[float]]:
             if outcome["raised_at"] is None or "MEMBER_DIED" not in outcome["message"]:
                 raise RuntimeError(f"a caller of N={npes} did not see the death: {outcome}")
             latencies.append(outcome["raised_at"] - killed_at)
-            after_abort.append(outcome["after_abort"])
+            if outcome["after_abort"] is not None:  # else its aborter stopped before it wrote the instant
+                after_abort.append(outcome["after_abort"])
         return latencies, after_abort
     finally:
         for p in procs:
@@ -112,7 +114,7 @@ def main() -> None:
     with C.Daemon(args.backend, log_level="warning"):
         for npes in C.parse_ints(args.ranks):
             runs, after = zip(*(one_run(npes, args) for _ in range(args.repeats)))
-            slowest, slowest_after = [max(r) for r in runs], [max(r) for r in after]
+            slowest, slowest_after = [max(r) for r in runs], [max(r) for r in after if r]
             info["by_n"][str(npes)] = {"runs": runs, "slowest": C.summary(slowest), "after_abort": after,
                                        "slowest_after_abort": C.summary(slowest_after)}
             rows.append([npes, C.ms(C.quantile(slowest, 0.5)), C.ms(max(slowest)),

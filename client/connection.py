@@ -441,22 +441,24 @@ class Connection:
             self._hand_over_deferred()
 
 
-def _checked(op: str, body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` as validated for ``op``: a bad call fails here, with the field named, not in the daemon."""
+def _as_refusal(check: Callable[[], Any]) -> Any:
+    """``check()``, its ProtocolError raised as the MonoUnsupported a worker catches (the code kept)."""
     try:
-        return validate_request(op, body)
+        return check()
     except ProtocolError as err:
         raise MonoUnsupported(err.message, err.code.value) from None
+
+
+def _checked(op: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as validated for ``op``: a bad call fails here, with the field named, not in the daemon."""
+    return _as_refusal(lambda: validate_request(op, body))
 
 
 def checked_fields(where: str, op: str, values: dict[str, Any]) -> None:
     """MonoUnsupported (BAD_REQUEST) naming the first of ``values`` that ``op``'s request refuses: checked
     before anything is sent or waits on them, so a rank can tell its peers instead of only raising."""
     schema = OPS[op].request
-    try:
-        check_fields(where, {name: schema[name] for name in values}, values, closed=True)
-    except ProtocolError as err:
-        raise MonoUnsupported(err.message, err.code.value) from None
+    _as_refusal(lambda: check_fields(where, {name: schema[name] for name in values}, values, closed=True))
 
 
 def checked_timeout(where: str, timeout: float | None) -> None:

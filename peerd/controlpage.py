@@ -478,12 +478,11 @@ class ControlPage:
     @property
     def aborted_at(self) -> float | None:
         """When the abort was written (time.monotonic seconds; every process of the
-        machine shares the clock), or None while the group is not aborted."""
-        word = self._abort_word()
-        if not word:
+        machine shares the clock), or None while the group is not aborted, or where
+        its aborter stopped between its claim and the instant: no time is made up."""
+        if not self._abort_word():
             return None
-        written = self.word(OFF_ABORTED_AT).value
-        return written / 1e9 if written else time.monotonic()  # its aborter stopped before it wrote the instant
+        return self.word(OFF_ABORTED_AT).value / 1e9 or None
 
     def aborted(self) -> GroupAborted | None:
         """The abort, with its reason, or None while the group is not aborted."""

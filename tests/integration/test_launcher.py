@@ -23,7 +23,7 @@ from tests.conftest import HERE, memfd_holders, memfds, wait_until
 PATIENCE_S = 90  # what a loaded 2-core machine may need to start four torch processes
 
 
-def launch(*command: str, serve: tuple[str, ...] = (), **popen) -> subprocess.Popen:
+def launch(*command: str, serve: tuple[str, ...] = (), env: dict | None = None, **popen) -> subprocess.Popen:
     """`peerd run` with a host-backend daemon; the PEERD_SOCKET it inherits points nowhere."""
     popen.setdefault("stdin", subprocess.PIPE)
     return subprocess.Popen(
@@ -31,7 +31,7 @@ def launch(*command: str, serve: tuple[str, ...] = (), **popen) -> subprocess.Po
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PEERD_SOCKET": "/nonexistent/peerd.sock", "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PEERD_SOCKET": "/nonexistent/peerd.sock", "PYTHONUNBUFFERED": "1", **(env or {})},
         **popen,
     )
 
@@ -164,12 +164,17 @@ def test_a_daemon_that_dies_first_is_reported_and_the_job_told():
     assert_nothing_left(where)
 
 
-def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs():
-    """Its backend cannot open (no libamdhip64 here, nor on an NVIDIA machine): only the daemon finds that."""
-    proc = launch(sys.executable, "-c", "print('ran')", serve=("--backend", "hip"))
+def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs(tmp_path):
+    """Its backend cannot open: only the daemon finds that. hip-python is hidden from the daemon (on a ROCm
+    host it would load), so the hip backend fails to open on any machine."""
+    for package in ("rocm", "hip"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    proc = launch(sys.executable, "-c", "print('ran')", serve=("--backend", "hip"),
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
     out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 125 and "ran" not in out
-    assert "libamdhip64 could not be loaded" in err, err
+    assert "libamdhip64 could not be loaded (hidden by the test)" in err, err
     assert "peerd run: the daemon exited with code 1 before it answered" in err
 
 

@@ -153,6 +153,7 @@ def test_an_aborter_stopped_between_its_claim_and_its_reason_leaves_the_code(pag
     aborted = twin(page).aborted()
     assert time.monotonic() - began >= cp.ABORT_TEXT_WAIT_S
     assert aborted.code == AbortCode.MEMBER_DIED and "stopped before it wrote the reason" in aborted.reason
+    assert page.aborted_at is None, "no instant was written, and none is made up"
     assert not page.abort(AbortCode.SHUTDOWN, "peerd is shutting down")
     assert page.word(cp.OFF_ABORT).value == claim
 
