@@ -57,7 +57,7 @@ def backend_for(device, served: str) -> str:
         if served == "host":
             raise BackendUnavailable(
                 f"the daemon serves host memory (--backend host), no GPU memory for {device}: pass "
-                "device=torch.device('cpu'), or run the daemon with --backend cuda (pip install 'peerd[cuda]') "
+                "device=torch.device('cpu'), or run the daemon with --backend cuda (pip install cuda-bindings) "
                 "or --backend hip on this node"
             )
         return served

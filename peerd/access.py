@@ -67,8 +67,9 @@ def resolve_groups(socket_group: str | int | None, allow_gid: tuple) -> tuple[in
     return socket_gid, tuple(resolve_group(g, group_setting("allow_gid")) for g in allow_gid)
 
 
-def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
+def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> bool:
     """Create the socket's directory, or take an existing one as it is; refuse one others could control.
+    Whether this call created it (the daemon removes it again at stop).
 
     Every ancestor must be a trusted directory (peerd.trust; trusted: root and
     this daemon's uid). Only a directory this call creates gets ``mode`` and
@@ -115,6 +116,7 @@ def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> None:
         _check_own_directory(directory, fd, created, mode, gid)
     finally:
         os.close(fd)
+    return created
 
 
 def _check_own_directory(directory: str, fd: int, created: bool, mode: int, gid: int | None) -> None:

@@ -1,4 +1,4 @@
-"""Prometheus metrics on 127.0.0.1 (optional: `pip install 'peerd[metrics]'`, `--metrics-port`).
+"""Prometheus metrics on 127.0.0.1 (optional: prometheus-client, the `metrics` extra; `--metrics-port`).
 
 Counters and latency histograms are fed by the daemon's loop as replies go
 out; gauges are read from the registry at scrape time, on the HTTP thread,
@@ -29,16 +29,23 @@ BIND_RETRY_S = 5.0
 log = logging.getLogger("peerd.metrics")
 
 
+def require_prometheus() -> None:
+    """Refuse to start without prometheus-client where metrics are asked for: checked with the other
+    start-up checks, before the socket is claimed or a GPU context made."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--metrics-port needs prometheus-client, which this Python cannot import: pip install "
+                           "prometheus-client (or pip install '.[metrics]' in peerd's clone), or leave metrics_port 0") from None
+
+
 class Metrics:
     def __init__(self, port: int, registry: Registry, arena_usage: Callable[[], list[dict[str, Any]]],
                  devices: list[str]):
-        try:
-            from prometheus_client import REGISTRY, Counter, Histogram
-            from prometheus_client.exposition import MetricsHandler
-        except ImportError:
-            raise RuntimeError(
-                "--metrics-port needs prometheus-client: pip install 'peerd[metrics]'"
-            ) from None
+        require_prometheus()
+        from prometheus_client import REGISTRY, Counter, Histogram
+        from prometheus_client.exposition import MetricsHandler
+
         self._registry = registry
         self.requests = Counter("peerd_requests", "Requests answered, by op and outcome", ["op", "outcome"])
         self.latency = Histogram(

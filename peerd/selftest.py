@@ -48,7 +48,7 @@ def run_selftest(socket_path: str, ranks: int, nbytes: int, device: str | None, 
     if importlib.util.find_spec("torch") is None:
         click.echo(
             f"peerd selftest: FAIL: the workers need torch, which {sys.executable} cannot import: "
-            "pip install 'peerd[client]' (no GPU: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+            "pip install torch (no GPU: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
             err=True,
         )
         return 1

@@ -39,7 +39,7 @@ from .reloader import Reloader
 from .routingids import MIN_ID_BYTES, self_named, unpredictable_made_up_ids
 from .liveness import POLL_INTERVAL, PidWatcher
 from .logbudget import log_budget
-from .metrics import Metrics
+from .metrics import Metrics, require_prometheus
 from .notify import Notifier
 from .paths import endpoint, fd_socket_path
 from .ops import OPS, Op, decode_request
@@ -133,6 +133,8 @@ class Daemon:
         self.socket_path = settings.socket
         self.socket_gid, allowed_gids = resolve_groups(settings.socket_group, settings.allow_gid)
         self.allowlist = Allowlist.build(settings.allow_uid, allowed_gids, self.socket_gid)
+        if settings.metrics_port:
+            require_prometheus()
         self._claim = SocketClaim(self.socket_path, settings.socket_dir_mode, self.socket_gid)
         try:
             self.backend = backend = open_backend()
@@ -213,6 +215,7 @@ class Daemon:
         except BaseException:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            self._remove_socket()  # bound, perhaps: no client may wait on a socket nobody will serve
             raise
         old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
         if self._signals:  # came while binding: the loop's first wait must not sleep through them
@@ -335,13 +338,18 @@ class Daemon:
             self._wake_r.close()
             self._wake_w.close()
         finally:  # whatever failed above: no socket is left for clients to wait on, the lock goes
-            try:
-                self._fd_channel.close()
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.socket_path)
-                self._claim.release()
+            self._remove_socket()
         log.info("stopped")
+
+    def _remove_socket(self) -> None:
+        """The socket, the fd channel's beside it (where bind got that far), then the claim."""
+        try:
+            if hasattr(self, "_fd_channel"):
+                self._fd_channel.close()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
+            self._claim.release()
 
     # ------------------------------------------------------------ the loop
 

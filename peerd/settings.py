@@ -44,7 +44,7 @@ from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
 from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
-from .paths import default_socket
+from .paths import check_socket_path, default_socket
 from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S, is_wait
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -219,7 +219,7 @@ OPTIONS = (
     Option("shutdown_grace", Seconds(zero=True), SHUTDOWN_GRACE_S,
            "Seconds SIGTERM waits for live groups to be released before freeing them anyway."),
     Option("metrics_port", Integer(min=0, max=65535), 0,
-           "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs peerd[metrics])."),
+           "Serve Prometheus metrics on 127.0.0.1:PORT (0: off; needs prometheus-client)."),
     Option("control_pages", click.BOOL, True, "Give each live group a control page (tp_agree without a message, "
            "aborts that reach kernels); false: groups agree through the daemon's messages."),
 )
@@ -304,6 +304,8 @@ class Loader:
     given: dict[str, Any]  # what the command line said (None or () where it said nothing)
     config: str | None = None  # --config
     default_file: str | None = DEFAULT_CONFIG  # read where nothing names a file (None: no file then)
+    read_default: bool = field(default=False, init=False)  # the default file was there at a read: a reload
+    # that finds it gone keeps the running settings, as for any file it cannot read
 
     def config_path(self) -> tuple[str | None, bool]:
         """The file to read, and whether someone asked for it explicitly."""
@@ -317,8 +319,11 @@ class Loader:
         try:
             text = _read_config(path)
         except OSError as err:
-            if not explicit and not os.path.exists(path):  # the default file, absent or out of this user's sight
-                return {}, None
+            if not explicit and not os.path.exists(path) and not self.read_default:  # the default file, absent
+                return {}, None  # or out of this user's sight
+            if not explicit and isinstance(err, FileNotFoundError):
+                raise ConfigError(f"configuration file {path} was read before and is gone now: put it back, or "
+                                  "restart the daemon to run without it") from None
             if isinstance(err, FileNotFoundError):
                 raise ConfigError(f"configuration file {path} does not exist") from None
             raise ConfigError(f"cannot read configuration file {path}: {err.strerror or err}") from None
@@ -332,6 +337,7 @@ class Loader:
         unknown = sorted(set(data) - set(_BY_NAME))
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(_BY_NAME)}")
+        self.read_default = self.read_default or not explicit
         return data, path
 
     def load(self) -> tuple["Settings", dict[str, str]]:
@@ -340,18 +346,23 @@ class Loader:
         values, sources = {}, {}
         for option in OPTIONS:
             given, env = self.given.get(option.name), os.environ.get(_env_name(option.name))
+            filed = option.name in from_file  # a bad value in the file is refused even where it is overridden
+            in_file = _convert(option, from_file[option.name], path) if filed else None
             if given not in (None, ()):
                 value, source = given, "command line"
             elif env is not None:
                 source = f"environment ({_env_name(option.name)})"
                 value = _convert(option, _listed(env) if option.multiple else env, source)
-            elif option.name in from_file:
-                source = path
-                value = _convert(option, from_file[option.name], source)
+            elif filed:
+                value, source = in_file, path
             else:
                 value = option.default() if callable(option.default) else option.default
                 source = "default"
             values[option.name], sources[option.name] = value, source
+        try:  # absolute as read, so a reload compares the socket it serves with the same path
+            values["socket"] = check_socket_path(values["socket"])
+        except ValueError as err:
+            raise ConfigError(f"{sources['socket']}: {err}") from None
         _check_groups(values, sources)
         return Settings(**values), sources
 

@@ -10,6 +10,7 @@ stale sockets removed first; the daemon binds once its backend is up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .access import give_to_group, prepare_socket_dir, remove_stale_socket
@@ -25,18 +26,25 @@ class SocketClaim:
     """
 
     def __init__(self, path: str, dir_mode: int, gid: int | None):
-        prepare_socket_dir(os.path.dirname(path), dir_mode, gid)
+        directory = os.path.dirname(path)
+        self._made = directory if prepare_socket_dir(directory, dir_mode, gid) else None
         self._lock = SocketLock(lock_path(path))
-        self._lock.acquire()
         try:
+            self._lock.acquire()
             if gid is not None:  # the socket's group, tried on the lock file: refused now, not after the backend
                 give_to_group(lock_path(path), gid)
             remove_stale_socket(path)
             remove_stale_socket(fd_socket_path(path))
         except BaseException:
-            self._lock.release()
+            self.release()
             raise
 
     def release(self) -> None:
-        """Let go of the lock (its file removed first: peerd.lockfile); idempotent."""
+        """Let go of the lock (its file removed first: peerd.lockfile), then remove the socket directory
+        if this claim made it and it is empty: left behind, a root daemon's /run/peerd (0750) read as the
+        node's daemon to every other user's default socket (peerd.paths), after it stopped. Idempotent."""
         self._lock.release()
+        made, self._made = self._made, None
+        if made is not None:
+            with contextlib.suppress(OSError):  # not empty: another daemon's socket, or a file someone put there
+                os.rmdir(made)

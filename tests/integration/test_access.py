@@ -46,14 +46,20 @@ def call(daemon, op, body, *extra, rank=0):
 
 def test_a_directory_mode_that_keeps_the_socket_group_out_or_is_not_applied_is_said(socket_dir, probe_user):
     """--socket-dir-mode 0700 with a socket group made a directory its members could not enter, without a
-    word; a mode for a directory that already existed (the shipped unit's /run/peerd) was silently unused."""
+    word; a mode for a directory that already existed (the shipped unit's /run/peerd) was silently unused.
+    A directory the daemon made goes at its stop: a root daemon's /run/peerd (0750), left behind, read as
+    the node's daemon to every other user's default socket (peerd.paths.default_socket) after it stopped."""
+    directory = os.path.join(socket_dir, "run")
     d = daemon_with(socket_dir, "--socket-group", SOCKET_GROUP, "--socket-dir-mode", "0700")
     assert d.stop() == 0
     assert f"is made with mode 0700 (--socket-dir-mode), which keeps the members of the socket group {SOCKET_GROUP}" \
         " out" in d.logs(), d.logs()
-    d = daemon_with(socket_dir, "--socket-dir-mode", "0750")  # the directory the first one made stays
+    assert not os.path.exists(directory), "the directory it made went at its stop"
+    os.mkdir(directory, 0o700)  # one made by someone else: the shipped unit's /run/peerd
+    d = daemon_with(socket_dir, "--socket-dir-mode", "0750")
     assert d.stop() == 0
     assert "exists with mode 0700: --socket-dir-mode 0750 applies only to a directory the daemon creates" in d.logs()
+    assert os.listdir(directory) == [], "a directory it did not make stays, emptied of what the daemon put there"
 
 
 def test_socket_and_directory_modes_and_group(socket_dir, probe_user):

@@ -225,3 +225,31 @@ def test_an_evict_nobody_confirmed_says_how_to_without_asking_and_a_bad_count_sa
     bad = subprocess.run([sys.executable, "-m", "peerd", "config"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PEERD_MAX_GROUPS": "abc"})
     assert bad.returncode == 1 and "bad value for max_groups: 'abc' is not an integer" in bad.stderr, bad.stderr
+
+
+def _shadow(root: Path, package: str, source: str) -> dict:
+    """An environment whose Python finds ``package`` as ``source`` (a broken or incomplete install)."""
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text(source)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+
+def test_metrics_without_prometheus_client_are_refused_before_anything_and_a_failed_bind_leaves_no_socket(
+        socket_dir, tmp_path):
+    """A daemon that failed in its bind left its socket, fd channel and lock behind, and every client
+    waited 5 s on a socket nobody served instead of hearing at once that no daemon runs."""
+    served = Path(socket_dir) / "served"
+    command = [sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", str(served / "peerd.sock"),
+               "--metrics-port", "9"]
+    missing = _shadow(tmp_path / "missing", "prometheus_client", "raise ImportError('hidden by the test')\n")
+    done = subprocess.run(command, env=missing, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "--metrics-port needs prometheus-client" in done.stderr, done.stderr
+    assert "pip install prometheus-client" in done.stderr, "names what to install, as pip knows it"
+    assert not served.exists(), "refused before the socket was claimed"
+    incomplete = _shadow(tmp_path / "incomplete", "prometheus_client", "")  # imports, but has no REGISTRY
+    done = subprocess.run(command, env=incomplete, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "REGISTRY" in done.stderr, done.stderr
+    assert not served.exists(), "the bind failed after the socket was bound: nothing of it is left"
+    status = subprocess.run([sys.executable, "-m", "peerd", "status", "--socket", str(served / "peerd.sock")],
+                            capture_output=True, text=True, timeout=30)
+    assert status.returncode == 3 and "no peerd daemon socket" in status.stdout + status.stderr, status

@@ -173,6 +173,27 @@ def test_a_bad_configuration_is_a_clear_error_at_start_naming_the_key_and_peerd_
     missing = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", "/nonexistent.toml"],
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode == 1 and "/nonexistent.toml does not exist" in missing.stderr
+    config.write_text('max_groups = "lots"\n')  # overridden, and still the file's mistake: a check of the file
+    overridden = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", str(config), "--max-groups", "7"],
+                                capture_output=True, text=True, timeout=30, env={**os.environ, "PEERD_MAX_GROUPS": "5"})
+    assert overridden.returncode == 1 and f"{config}: bad value for max_groups" in overridden.stderr, overridden.stderr
+
+
+def test_a_relative_socket_path_is_the_same_socket_at_every_reload(socket_dir):
+    """A relative --socket (or PEERD_SOCKET) was made absolute at start only: every SIGHUP then reported
+    the socket as changed, needing a restart that would change nothing."""
+    log = Path(socket_dir) / "daemon.log"
+    proc = subprocess.Popen([sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket", "rel.sock"],
+                            cwd=socket_dir, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "serving" in log.read_text(), 20, "the daemon to serve")
+        assert f"serving {socket_dir}/rel.sock" in log.read_text()
+        proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloaded" in log.read_text(), 10, "the reload")
+        assert "needing a restart" not in log.read_text(), log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
 
 
 def test_status_tells_healthy_from_degraded(socket_dir):

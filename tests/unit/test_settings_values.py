@@ -226,3 +226,17 @@ def test_the_default_file_out_of_the_users_sight_counts_as_absent_a_named_one_is
 
     assert _as_nobody(unseen_is_absent) and _as_nobody(named_is_refused)
     assert Loader(nothing, None, path).read_file()[0] == {"max_groups": 7}, "root still reads it"
+
+
+def test_a_default_file_gone_since_it_was_read_keeps_the_running_settings(tmp_path):
+    """A hand-run daemon reads /etc/peerd/peerd.toml where nothing names a file; removed, then SIGHUP, it
+    read as no file at all: the allowlist, limits and timeouts went back to their defaults without a word."""
+    path = tmp_path / "peerd.toml"
+    path.write_text("max_groups = 5\n")
+    loader = Loader({}, default_file=str(path))
+    assert loader.load()[0].limits.max_groups == 5
+    path.unlink()
+    with pytest.raises(ConfigError, match=f"configuration file {path} was read before and is gone now"):
+        loader.load()
+    never_there = Loader({}, default_file=str(tmp_path / "absent.toml"))
+    assert never_there.load()[1]["max_groups"] == "default", "a default file that never was: the defaults"
