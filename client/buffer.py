@@ -39,7 +39,7 @@ def _member_fds(conn: Connection, slot: dict, handles: list[bytes]) -> list[int]
     """This rank's set as fds from the daemon's fd channel, in the order of ``handles``."""
     path = fd_socket_path(conn.path)
     try:
-        sent, fds = fetch_fds(path, slot, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"])
+        sent, fds = fetch_fds(path, slot, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"], daemon_uid=conn.daemon_uid)
     except ProtocolError as err:
         raise MonoUnsupported(f"the daemon gave this rank no memory: {err.message}", err.code.value) from None
     except OSError as err:

@@ -106,7 +106,8 @@ def ask_area(conn, slot: dict, instance: int, area_id: int) -> FdRequest | None:
     answers while the caller opens its chunks, and ``_held_area`` reads the answer."""
     if (instance, area_id) in _areas:
         return None
-    return FdRequest(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"])
+    return FdRequest(fd_socket_path(conn.path), {**slot, "page": True}, REQUEST_TIMEOUT_S, daemon_pid=conn.hello["pid"],
+                     daemon_uid=conn.daemon_uid)
 
 
 def _held_area(conn, slot: dict, instance: int, area_id: int, asked: FdRequest | None) -> _HeldArea:

@@ -69,7 +69,7 @@ from .credentials import Credentials
 from .fdroom import FdRoom
 from .protocol import ErrorCode, ProtocolError
 from .tally import Tally
-from .trust import peer_credentials
+from .trust import describe_uid, peer_credentials
 
 log = logging.getLogger("peerd.fdchannel")
 
@@ -296,18 +296,20 @@ class FdChannelServer:
         conn.close()
 
 
-def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> tuple[list[bytes], list[int]]:
+def fetch_fds(path: str, slot: dict, timeout: float, daemon_pid: int | None = None,
+              daemon_uid: int | None = None) -> tuple[list[bytes], list[int]]:
     """The worker's half: the handles and fds of the set in which this process holds ``slot``: one fd
     per handle, in their order, handles in one chunk sharing one fd (close each distinct fd once).
 
-    ``slot`` is ``{group, name, rank}``. ``daemon_pid``, where given, must be
-    the pid the kernel reports for the channel's server, so memory from any
-    other process is refused; the kernel reports 0 for a daemon outside this
-    process's pid namespace (a worker in a pod), where no pid can be compared.
+    ``slot`` is ``{group, name, rank}``. ``daemon_uid`` and ``daemon_pid``,
+    where given, must be the uid and pid the kernel reports for the channel's
+    server (as for the daemon's own socket), so memory from any other process
+    is refused. The kernel reports pid 0 for a daemon outside this process's
+    pid namespace (a worker in a pod), where only the uid can be compared.
     The daemon's refusal raises ProtocolError with its code; a daemon that
     cannot be reached (or an impostor), OSError.
     """
-    with FdRequest(path, slot, timeout, daemon_pid) as request:
+    with FdRequest(path, slot, timeout, daemon_pid, daemon_uid) as request:
         return request.reply()
 
 
@@ -316,8 +318,9 @@ class FdRequest:
     ``reply()``, so a worker does other work (a GPU open) while the daemon answers. Raises as
     ``fetch_fds`` does; ``close()`` (or the with block) drops a reply never read, fds included."""
 
-    def __init__(self, path: str, slot: dict, timeout: float, daemon_pid: int | None = None) -> None:
-        self.path, self._slot, self._daemon_pid = path, slot, daemon_pid
+    def __init__(self, path: str, slot: dict, timeout: float, daemon_pid: int | None = None,
+                 daemon_uid: int | None = None) -> None:
+        self.path, self._slot, self._daemon_pid, self._daemon_uid = path, slot, daemon_pid, daemon_uid
         self._deadline = time.monotonic() + timeout
         self._pause_s = 0.005
         self._sock = self._ask()
@@ -335,10 +338,16 @@ class FdRequest:
     def _send(self) -> socket.socket:
         sock = connect(self.path, self._deadline - time.monotonic())
         try:
-            server = peer_credentials(sock).pid
-            if self._daemon_pid is not None and server not in (0, self._daemon_pid):
+            server = peer_credentials(sock)
+            if self._daemon_uid is not None and server.uid != self._daemon_uid:
                 raise ConnectionError(
-                    f"the fd channel at {self.path} is served by pid {server}, not by the daemon (pid "
+                    f"the fd channel at {self.path} is served by {describe_uid(server.uid)} (pid {server.pid}), not "
+                    f"by the daemon's user ({describe_uid(self._daemon_uid)}); refusing its memory: check who "
+                    "created that socket"
+                )
+            if self._daemon_pid is not None and server.pid not in (0, self._daemon_pid):
+                raise ConnectionError(
+                    f"the fd channel at {self.path} is served by pid {server.pid}, not by the daemon (pid "
                     f"{self._daemon_pid}); refusing its memory: check who created that socket"
                 )
             sock.send(msgpack.packb(self._slot, use_bin_type=True))

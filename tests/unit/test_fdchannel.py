@@ -136,6 +136,23 @@ def test_memory_from_another_process_than_the_daemon_is_refused(channel):
     os.close(answers[0][1][0])
 
 
+def test_memory_from_another_user_than_the_daemons_is_refused_where_no_pid_can_be_compared(channel):
+    """A worker in a pod sees pid 0 for any server outside its pid namespace, so the pid check passed whoever
+    served the channel's path; the server's uid must be the daemon's, as for the daemon's own socket (no
+    pid is compared here, as none can be there)."""
+    path, answers = channel
+    answers[0] = ([b"h"], [os.memfd_create("peerd-test")])
+    daemons = os.geteuid() + 1
+    with pytest.raises(ConnectionError, match=rf"served by uid {os.geteuid()}\b.*not by the daemon's user \(uid "
+                                              rf"{daemons}\b"):
+        fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10, daemon_uid=daemons)
+    assert "asked" not in answers, "refused before asking for anything"
+    handles, fds = fetch_fds(path, {"group": "g", "name": "n", "rank": 0}, 10, daemon_uid=os.geteuid())
+    assert handles == [b"h"] and len(fds) == 1, "the daemon's own user is served"
+    os.close(fds[0])
+    os.close(answers[0][1][0])
+
+
 def test_a_request_whose_connection_was_dropped_for_newer_ones_asks_again(channel, monkeypatch):
     """A worker descheduled between its connect and its request finds its connection the uid's oldest
     unanswered one when MAX_CONNECTIONS_PER_UID newer ones come: the channel drops it unread, and the
