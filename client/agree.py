@@ -11,12 +11,13 @@ from peerd.protocol import ErrorCode
 
 from .connection import GRACE_S, checked_timeout, connection
 from .errors import DaemonUnavailable, ForkedProcessError, MonoUnsupported
-from .groupkey import joined_by, resolve
+from .groupkey import Contradicted, joined_by, resolve
 from .pagelink import GroupLink, link_for
 
 log = logging.getLogger("peerd_client")
 
-#: How long a tp_agree refused for a wrong npes or an unusable timeout waits for its peers to reach its round,
+#: How long a tp_agree refused for a wrong npes, an unusable timeout or a rank= that contradicts its process
+#: group waits for its peers to reach its round,
 #: so they read its no; then it times the round out (its peers hear False all the same) and raises. On the
 #: daemon's message path a wrong npes is refused at once and its no stays in the round.
 REFUSED_CALL_WAIT_S = 1.0
@@ -43,11 +44,15 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
     except MonoUnsupported:
         _no_in_its_round(group, rank, npes)
         raise
-    return _agree(bool(ok), group, rank, npes, timeout)
+    try:
+        return _agree(bool(ok), group, rank, npes, timeout)
+    except Contradicted:  # rank=/npes= against a process group, which names this rank's round itself
+        _no_in_its_round(group, None, None)
+        raise
 
 
 def _no_in_its_round(group, rank: int | None, npes: int | None) -> None:
-    """The no of a call refused for its timeout, in the round it is."""
+    """The no of a call refused for its arguments, in the round it is."""
     try:
         _agree(False, group, rank, npes, REFUSED_CALL_WAIT_S)
     except (MonoUnsupported, ForkedProcessError, ValueError, TypeError) as err:

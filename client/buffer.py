@@ -14,7 +14,7 @@ from peerd.protocol import MAX_REASON_CHARS, ProtocolError
 
 from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_fields, checked_timeout, connection
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
-from .groupkey import Membership, integral, remember, resolve
+from .groupkey import Contradicted, Membership, integral, remember, resolve
 from .mappings import ChunkKey, mappings
 from .pagelink import GroupLink, close_link, open_link
 from .stoppedpeers import own_pid, stopped_peers
@@ -104,6 +104,8 @@ class PeerBuffer:
             agreement = timeout or conn.hello["agreement_timeout"]
             wait = rendezvous + GRACE_S
             member = resolve(group, rank, npes, rendezvous)
+        except Contradicted as err:  # the process group names this rank's place: its peers are told there
+            member, unusable = err.member, unusable or err
         except Exception:
             if unusable is not None:
                 raise unusable from None
@@ -234,7 +236,7 @@ class PeerBuffer:
             self._addresses_copied.record(torch.cuda.current_stream(self.device))
 
     def _take_part(self, conn, member: Membership, nbytes: int, flags: int, device, where: str,
-                   unusable: MonoUnsupported | None) -> str:
+                   unusable: Exception | None) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
 
         A rank whose size, flags, timeout, device or backend is unusable here

@@ -93,6 +93,15 @@ def _process_group_key(pg, rank: int, npes: int, timeout: float) -> str:
         return key
 
 
+class Contradicted(ValueError):
+    """rank=/npes= that contradict a process group, which names this process's place itself: ``member``
+    is that place, so the call can still tell its peers (a withdrawal, a no) before it raises."""
+
+    def __init__(self, message: str, member: Membership):
+        super().__init__(message)
+        self.member = member
+
+
 def integral(value):
     """An integer of any kind (numpy's, torch's: engines compute sizes and ranks with them) as an int;
     anything else as it is, for the protocol's checks to name (a bool is no count)."""
@@ -105,8 +114,9 @@ def integral(value):
 
 
 def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
-    """The membership ``group`` names; ValueError where it cannot be known, MonoUnsupported (TIMEOUT)
-    where a process group's rank 0 did not give its key within ``timeout``."""
+    """The membership ``group`` names; ValueError where it cannot be known (Contradicted where rank= or
+    npes= contradict a process group), MonoUnsupported (TIMEOUT) where a process group's rank 0 did not
+    give its key within ``timeout``."""
     rank, npes = integral(rank), integral(npes)
     if group is None:  # the seeds' single rank: a key of its own, which no other set shares
         if rank not in (None, 0) or npes not in (None, 1):
@@ -130,11 +140,11 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
         import torch.distributed as dist
 
         pg_rank, pg_size = dist.get_rank(group), dist.get_world_size(group)
+        member = Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
         if (rank, npes) not in ((None, None), (pg_rank, pg_size)):
-            raise ValueError(
-                f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size})"
-            )
-        return Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
+            raise Contradicted(f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of "
+                               f"{pg_size}): pass neither with a process group", member)
+        return member
     dist = sys.modules.get("torch.distributed")
     if dist is not None and type(group) is type(dist.GroupMember.NON_GROUP_MEMBER) and \
             group == dist.GroupMember.NON_GROUP_MEMBER:

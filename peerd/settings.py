@@ -458,7 +458,8 @@ def _shown(option: Option) -> str:
 
 
 def settings_table(settings: "Settings", sources: dict[str, str]) -> list[tuple[str, str, str]]:
-    """(key, value, source) for `peerd config`, values written as the file would take them."""
+    """(key, value, source) for `peerd config`: a table to read, not a file to copy (none is a setting
+    left unset, which TOML cannot write; modes are octal, sizes in bytes)."""
     rows = []
     for f in fields(settings):
         value = getattr(settings, f.name)

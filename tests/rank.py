@@ -130,6 +130,34 @@ def process_group_without_rank_0(args) -> dict:
     return {"raised": raised, "agreed": tp_agree(True, dist.group.WORLD, timeout=args.timeout)}
 
 
+def process_group_contradicted(args) -> dict:
+    """The last rank passes a rank= that contradicts its process group, to PeerBuffer and to tp_agree: it
+    raises ValueError each time, and its peer hears at once (GROUP_FAILED, then a False round)."""
+    import torch.distributed as dist
+
+    from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
+
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.npes)
+    group, wrong = dist.group.WORLD, args.rank == args.npes - 1
+    claimed = {"rank": 0, "npes": args.npes} if wrong else {}
+    out = {}
+    began = time.monotonic()
+    try:
+        PeerBuffer(args.nbytes, group, **claimed, device="cpu", timeout=args.timeout)
+    except (MonoUnsupported, ValueError) as err:
+        out["buffer"] = {"value_error": isinstance(err, ValueError), "code": getattr(err, "code", None),
+                         "message": str(err)}
+    out["buffer_after_s"] = time.monotonic() - began
+    began = time.monotonic()
+    try:
+        out["agreed"] = tp_agree(True, group, **claimed, timeout=args.timeout)
+    except ValueError as err:
+        out["agree_raised"] = str(err)
+    out["agree_after_s"] = time.monotonic() - began
+    dist.destroy_process_group()
+    return out
+
+
 def dropped(args) -> dict:
     """Build a buffer, then drop it without close(): collection must release it,
     even when the collection runs while this thread is inside a call (it holds
@@ -1075,6 +1103,7 @@ SCENARIOS = {
     "join": join,
     "process_group": process_group,
     "process_group_without_rank_0": process_group_without_rank_0,
+    "process_group_contradicted": process_group_contradicted,
     "dropped": dropped,
     "no_torch": no_torch,
     "job": job,

@@ -145,6 +145,21 @@ def test_a_process_group_whose_rank_0_never_comes_is_peerds_timeout_and_a_false_
     assert waiting["agreed"] is False, waiting
 
 
+def test_a_rank_that_contradicts_its_process_group_raises_and_its_peer_hears_at_once(daemon, socket_dir):
+    """rank= against a process group raised ValueError on that rank alone: its peer waited out the
+    rendezvous for a rank that never joined, then its whole agreement timeout for a vote never cast."""
+    good, wrong = run_ranks(daemon, "process_group_contradicted", 2, "--store", f"{socket_dir}/store",
+                            "--timeout", "30")
+    assert good["ok"] and wrong["ok"], (good, wrong)
+    assert wrong["buffer"]["value_error"], wrong
+    assert "rank=0, npes=2 contradict the process group (rank 1 of 2)" in wrong["buffer"]["message"], wrong
+    assert good["buffer"]["code"] == "GROUP_FAILED" and "contradict the process group" in good["buffer"]["message"]
+    assert good["buffer_after_s"] < 10, "told at once, not at its 30 s rendezvous timeout"
+    assert "contradict the process group" in wrong["agree_raised"], wrong
+    assert good["agreed"] is False and good["agree_after_s"] < 10, "the round is False at once"
+    assert daemon.settled_segments() == []
+
+
 def test_a_released_set_can_be_joined_again(daemon):
     for attempt in range(2):
         results = run_ranks(daemon, "exchange", 2, "--group", "again")
