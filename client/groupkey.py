@@ -140,11 +140,15 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
         import torch.distributed as dist
 
         pg_rank, pg_size = dist.get_rank(group), dist.get_world_size(group)
-        member = Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
-        if (rank, npes) not in ((None, None), (pg_rank, pg_size)):
-            raise Contradicted(f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of "
-                               f"{pg_size}): pass neither with a process group", member)
-        return member
+        if (rank, npes) in ((None, None), (pg_rank, pg_size)):
+            return Membership(_process_group_key(group, pg_rank, pg_size, timeout), pg_rank, pg_size)
+        wrong = f"rank={rank}, npes={npes} contradict the process group (rank {pg_rank} of {pg_size}): pass " \
+                "neither with a process group"
+        try:
+            key = _process_group_key(group, pg_rank, pg_size, timeout)
+        except MonoUnsupported:  # its rank 0 never came: nobody to tell, the mistake is the error
+            raise ValueError(wrong) from None
+        raise Contradicted(wrong, Membership(key, pg_rank, pg_size))
     dist = sys.modules.get("torch.distributed")
     if dist is not None and type(group) is type(dist.GroupMember.NON_GROUP_MEMBER) and \
             group == dist.GroupMember.NON_GROUP_MEMBER:
