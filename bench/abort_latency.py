@@ -118,7 +118,7 @@ def main() -> None:
             info["by_n"][str(npes)] = {"runs": runs, "slowest": C.summary(slowest), "after_abort": after,
                                        "slowest_after_abort": C.summary(slowest_after)}
             rows.append([npes, C.ms(C.quantile(slowest, 0.5)), C.ms(max(slowest)),
-                         C.ms(C.quantile(slowest_after, 0.5)), C.ms(max(slowest_after))])
+                         C.ms(C.quantile(slowest_after, 0.5)), C.ms(max(slowest_after, default=float("nan")))])
             C.save(f"abort_latency-{args.backend}", info, args.out, quiet=True)
     print(f"\nuntil every peer's all-reduce raised, ms ({args.backend}, {args.repeats} runs per N): from the "
           "SIGKILL of one rank, and from the daemon's abort write once it saw the death")

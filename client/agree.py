@@ -16,10 +16,10 @@ from .pagelink import GroupLink, link_for
 
 log = logging.getLogger("peerd_client")
 
-#: How long a tp_agree refused for a wrong npes, an unusable timeout or a rank= that contradicts its process
-#: group waits for its peers to reach its round,
-#: so they read its no; then it times the round out (its peers hear False all the same) and raises. On the
-#: daemon's message path a wrong npes is refused at once and its no stays in the round.
+#: How long a tp_agree refused for a wrong npes, an unusable timeout or a rank= that contradicts its place
+#: waits for its peers to reach its round, so they read its no; then it times the round out (its peers hear
+#: False all the same) and raises. On the daemon's message path a wrong npes is refused at once and its no
+#: stays in the round.
 REFUSED_CALL_WAIT_S = 1.0
 
 
@@ -46,7 +46,7 @@ def tp_agree(ok: bool, group, rank: int | None = None, npes: int | None = None, 
         raise
     try:
         return _agree(bool(ok), group, rank, npes, timeout)
-    except Contradicted:  # rank=/npes= against a process group, which names this rank's round itself
+    except Contradicted:  # rank=/npes= against the place this process holds, which names its round itself
         _no_in_its_round(group, None, None)
         raise
 

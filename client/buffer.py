@@ -104,7 +104,7 @@ class PeerBuffer:
             agreement = timeout or conn.hello["agreement_timeout"]
             wait = rendezvous + GRACE_S
             member = resolve(group, rank, npes, rendezvous)
-        except Contradicted as err:  # the process group names this rank's place: its peers are told there
+        except Contradicted as err:  # this rank's place is known all the same: its peers are told there
             member, unusable = err.member, unusable or err
         except Exception:
             if unusable is not None:
@@ -180,6 +180,8 @@ class PeerBuffer:
                 os.close(fd)
         if failure is None:  # every rank takes the page or none: GroupLink.choose after the verdict
             self._link.attach(conn, self._held(), self.device, joined.get("page"))
+            # from the commit vote on: a peer stopped before its vote aborts the page past the grace
+            stopped_peers.watch(self._link, joined.get("pids"), joined.get("own_pids"))
         else:
             self._link.close()  # the page area's request, if one went out, is not read
         try:
@@ -206,7 +208,6 @@ class PeerBuffer:
 
         self._link.choose()
         open_link(member.key, self._link, joined.get("supersedes") or [])
-        stopped_peers.watch(self._link, joined.get("pids"), joined.get("own_pids"))
 
     def _commit_on_page(self, conn: Connection, member: Membership, pointers: list[int], timeout: float) -> dict:
         """The commit vote of a rank that holds the set's control page: its views first, then the vote
@@ -239,11 +240,12 @@ class PeerBuffer:
                    unusable: Exception | None) -> str:
         """This rank's device identity, or withdraw from the rendezvous and raise.
 
-        A rank whose size, flags, timeout, device or backend is unusable here
-        tells the daemon, so its peers fail at once with the reason instead of
-        waiting out the rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE,
-        or the BAD_REQUEST of a field the protocol refuses), or the ValueError
-        of a size or device peerd does not serve.
+        A rank whose size, flags, timeout, device or backend is unusable here,
+        or whose rank=/npes= contradict the place it holds, tells the daemon, so
+        its peers fail at once with the reason instead of waiting out the
+        rendezvous; it raises MonoUnsupported (BACKEND_UNAVAILABLE, or the
+        BAD_REQUEST of a field the protocol refuses), or the ValueError of a
+        size, device or place peerd does not serve.
         """
         try:
             if unusable is not None:

@@ -114,9 +114,10 @@ def integral(value):
 
 
 def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Membership:
-    """The membership ``group`` names; ValueError where it cannot be known (Contradicted where rank= or
-    npes= contradict a process group), MonoUnsupported (TIMEOUT) where a process group's rank 0 did not
-    give its key within ``timeout``."""
+    """The membership ``group`` names; ValueError where it cannot be known: Contradicted where rank= or
+    npes= contradict the place this process joined, or its process group's (once that group's key was
+    had: where its rank 0 never gives it, only after ``timeout``). MonoUnsupported (TIMEOUT) where a
+    process group's rank 0 did not give its key within ``timeout``."""
     rank, npes = integral(rank), integral(npes)
     if group is None:  # the seeds' single rank: a key of its own, which no other set shares
         if rank not in (None, 0) or npes not in (None, 1):
@@ -132,8 +133,8 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                 )
             member = known[0]
             if rank not in (None, member.rank) or npes not in (None, member.npes):
-                raise ValueError(f"rank={rank}, npes={npes} contradict this process's place in group {group!r} "
-                                 f"(rank {member.rank} of {member.npes})")
+                raise Contradicted(f"rank={rank}, npes={npes} contradict this process's place in group {group!r} "
+                                   f"(rank {member.rank} of {member.npes})", member)
             return member
         return Membership(group, rank, npes)
     if hasattr(group, "rank") and hasattr(group, "size"):

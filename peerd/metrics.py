@@ -33,10 +33,12 @@ def require_prometheus() -> None:
     """Refuse to start without prometheus-client where metrics are asked for: checked with the other
     start-up checks, before the socket is claimed or a GPU context made."""
     try:
-        import prometheus_client  # noqa: F401
-    except ImportError:
-        raise RuntimeError("--metrics-port needs prometheus-client, which this Python cannot import: pip install "
-                           "prometheus-client (or pip install '.[metrics]' in peerd's clone), or leave metrics_port 0") from None
+        from prometheus_client import REGISTRY, Counter, Histogram  # noqa: F401
+        from prometheus_client.exposition import MetricsHandler  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(f"--metrics-port needs prometheus-client, which this Python cannot import ({err}): pip "
+                           "install prometheus-client (or pip install '.[metrics]' in peerd's clone), or leave "
+                           "metrics_port 0") from None
 
 
 class Metrics:

@@ -24,6 +24,9 @@ class Notifier:
         self._address = ("\0" + path[1:]) if path and path.startswith("@") else path
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if path else None
         usec, pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")
+        if usec and not usec.isdigit():
+            raise ValueError(f"WATCHDOG_USEC={usec!r} is no count of microseconds: whatever started peerd set it "
+                             "wrongly (systemd sets it from WatchdogSec=)")
         ours = pid is None or pid == str(os.getpid())
         #: seconds between WATCHDOG=1 pings: half the watchdog timeout, as sd_watchdog_enabled advises
         self.watchdog_interval = int(usec) / 2e6 if usec and ours and self._socket else None

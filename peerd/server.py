@@ -136,11 +136,17 @@ class Daemon:
         if settings.metrics_port:
             require_prometheus()
         self._claim = SocketClaim(self.socket_path, settings.socket_dir_mode, self.socket_gid)
+        self._fd_channel: FdChannelServer | None = None  # made at bind
         try:
-            self.backend = backend = open_backend()
-        except BaseException:
+            self._assemble(open_backend())
+        except BaseException:  # nothing served: the claim goes, and the socket directory it made
             self._claim.release()
             raise
+
+    def _assemble(self, backend: MemoryBackend) -> None:
+        """Everything the loop serves with, around the backend."""
+        settings = self.settings
+        self.backend = backend
         self._admins = admins_of(os.geteuid())  # who may call the admin-only ops
         self._fd_room = FdRoom()  # sized at bind, from the fd limit: peerd.fdroom
         backend.share_fd_room(self._fd_room)
@@ -215,7 +221,10 @@ class Daemon:
         except BaseException:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self._remove_socket()  # bound, perhaps: no client may wait on a socket nobody will serve
+            try:
+                self._remove_socket()  # bound, perhaps: no client may wait on a socket nobody will serve
+            except Exception:  # the bind's own error is the one to tell
+                log.exception("removing the socket after a failed start failed")
             raise
         old_wakeup = signal.set_wakeup_fd(self._wake_w.fileno())
         if self._signals:  # came while binding: the loop's first wait must not sleep through them
@@ -342,13 +351,15 @@ class Daemon:
         log.info("stopped")
 
     def _remove_socket(self) -> None:
-        """The socket, the fd channel's beside it (where bind got that far), then the claim."""
+        """The socket and the fd channel's beside it (whatever of them bind made: the claim makes both
+        paths this daemon's), then the claim."""
         try:
-            if hasattr(self, "_fd_channel"):
+            if self._fd_channel is not None:
                 self._fd_channel.close()
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket_path)
+            for path in (self.socket_path, fd_socket_path(self.socket_path)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             self._claim.release()
 
     # ------------------------------------------------------------ the loop

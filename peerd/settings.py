@@ -44,7 +44,7 @@ from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
 from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
-from .paths import check_socket_path, default_socket
+from .paths import absolute_socket, default_socket
 from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S, is_wait
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -359,10 +359,7 @@ class Loader:
                 value = option.default() if callable(option.default) else option.default
                 source = "default"
             values[option.name], sources[option.name] = value, source
-        try:  # absolute as read, so a reload compares the socket it serves with the same path
-            values["socket"] = check_socket_path(values["socket"])
-        except ValueError as err:
-            raise ConfigError(f"{sources['socket']}: {err}") from None
+        values["socket"] = absolute_socket(values["socket"])  # a reload compares the socket it serves with it
         _check_groups(values, sources)
         return Settings(**values), sources
 

@@ -69,12 +69,14 @@ python3 -c 'import sys, tomllib; tomllib.load(open(sys.argv[1], "rb"))' "$here/p
     fail "peerd.toml is not valid TOML"
 if [ -n "${PEERD:-}" ]; then
     # the file names the group peerd.sysusers makes; on a machine without it, this user's group stands in
+    # (the odd expansions: an empty array is unset to bash before 4.4, under set -u)
     stand_in=()
     getent group peerd >/dev/null || stand_in=(--socket-group "$(id -g)")
-    "$PEERD" config --config "$here/peerd.toml" "${stand_in[@]}" >/dev/null || fail "$PEERD config --config peerd.toml"
+    "$PEERD" config --config "$here/peerd.toml" ${stand_in[@]+"${stand_in[@]}"} >/dev/null ||
+        fail "$PEERD config --config peerd.toml"
     # every commented-out default, uncommented: each key known, each value the daemon's default
     sed -E 's/^# ([a-z_]+ = )/\1/' "$here/peerd.toml" >"$work/all.toml"
-    "$PEERD" config --config "$work/all.toml" "${stand_in[@]}" --json >"$work/all.json" ||
+    "$PEERD" config --config "$work/all.toml" ${stand_in[@]+"${stand_in[@]}"} --json >"$work/all.json" ||
         fail "$PEERD config: an example value in peerd.toml"
     python3 - "$work/all.json" <<'PY' || fail "peerd.toml does not show every option of peerd serve"
 import json, sys

@@ -215,3 +215,11 @@ def run_ranks(daemon: Daemon, scenario: str, npes: int, *args: str, ranks=None, 
                 p.kill()
                 p.wait()
         raise
+
+
+def shadowed(root: Path, package: str, source: str) -> str:
+    """A PYTHONPATH under which Python finds ``package`` as ``source`` (a broken, partial or missing install)
+    ahead of the real one; packages shadowed under one ``root`` share it."""
+    (root / package).mkdir(parents=True)
+    (root / package / "__init__.py").write_text(source)
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))

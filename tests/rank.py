@@ -130,31 +130,52 @@ def process_group_without_rank_0(args) -> dict:
     return {"raised": raised, "agreed": tp_agree(True, dist.group.WORLD, timeout=args.timeout)}
 
 
-def process_group_contradicted(args) -> dict:
-    """The last rank passes a rank= that contradicts its process group, to PeerBuffer and to tp_agree: it
-    raises ValueError each time, and its peer hears at once (GROUP_FAILED, then a False round)."""
-    import torch.distributed as dist
-
+def _told_or_raised(args, group, claimed: dict, **buffer) -> dict:
+    """A second rendezvous and a round in ``group`` with rank=/npes= as ``claimed``: what each raised or
+    answered, and when."""
     from peerd_client import MonoUnsupported, PeerBuffer, tp_agree
 
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.npes)
-    group, wrong = dist.group.WORLD, args.rank == args.npes - 1
-    claimed = {"rank": 0, "npes": args.npes} if wrong else {}
     out = {}
     began = time.monotonic()
     try:
-        PeerBuffer(args.nbytes, group, **claimed, device="cpu", timeout=args.timeout)
+        PeerBuffer(args.nbytes, group, **claimed, **buffer, device="cpu", timeout=args.timeout)
     except (MonoUnsupported, ValueError) as err:
         out["buffer"] = {"value_error": isinstance(err, ValueError), "code": getattr(err, "code", None),
                          "message": str(err)}
     out["buffer_after_s"] = time.monotonic() - began
     began = time.monotonic()
     try:
-        out["agreed"] = tp_agree(True, group, **claimed, timeout=args.timeout)
+        out["agreed"] = tp_agree(True, group, rank=claimed.get("rank"), npes=claimed.get("npes"),
+                                 timeout=args.timeout)
     except ValueError as err:
         out["agree_raised"] = str(err)
     out["agree_after_s"] = time.monotonic() - began
+    return out
+
+
+def process_group_contradicted(args) -> dict:
+    """The last rank passes a rank= that contradicts its process group, to PeerBuffer and to tp_agree: it
+    raises ValueError each time, and its peer hears at once (GROUP_FAILED, then a False round)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.npes)
+    wrong = args.rank == args.npes - 1
+    out = _told_or_raised(args, dist.group.WORLD, {"rank": 0, "npes": args.npes} if wrong else {})
     dist.destroy_process_group()
+    return out
+
+
+def string_key_contradicted(args) -> dict:
+    """Both ranks hold a set of a string key; then the last rank passes a lone rank= that contradicts the
+    place it holds, to a second set's PeerBuffer and to tp_agree: it raises ValueError each time, and its
+    peer hears at once (GROUP_FAILED, then a False round)."""
+    from peerd_client import PeerBuffer
+
+    held = PeerBuffer(args.nbytes, args.group, args.rank, args.npes, device="cpu")
+    wrong = args.rank == args.npes - 1
+    out = _told_or_raised(args, args.group, {"rank": 0} if wrong else {"rank": args.rank, "npes": args.npes},
+                          name="second")
+    held.close()
     return out
 
 
@@ -467,6 +488,27 @@ def beside_stopped(args) -> dict:
             out[step]["aborted"] = str(err)
     buf.close()
     return out
+
+
+def stops_before_its_vote(args) -> dict:
+    """Build a PeerBuffer; rank 1 stops itself (SIGSTOP) between its join's answer and its commit vote."""
+    import signal
+
+    from peerd_client import MonoUnsupported, PeerBuffer, pagelink
+
+    if args.rank == 1:
+        vote = pagelink.GroupLink.commit
+
+        def stopped_first(link, timeout):
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return vote(link, timeout)
+        pagelink.GroupLink.commit = stopped_first
+    began = time.monotonic()
+    try:
+        PeerBuffer(args.nbytes, args.group, args.rank, args.npes, timeout=args.timeout)
+    except MonoUnsupported as err:
+        return {"raised": str(err), "code": err.code, "after_s": time.monotonic() - began}
+    return {"raised": None}
 
 
 def sealed(args) -> dict:
@@ -1104,6 +1146,8 @@ SCENARIOS = {
     "process_group": process_group,
     "process_group_without_rank_0": process_group_without_rank_0,
     "process_group_contradicted": process_group_contradicted,
+    "string_key_contradicted": string_key_contradicted,
+    "stops_before_its_vote": stops_before_its_vote,
     "dropped": dropped,
     "no_torch": no_torch,
     "job": job,

@@ -160,6 +160,20 @@ def test_a_rank_that_contradicts_its_process_group_raises_and_its_peer_hears_at_
     assert daemon.settled_segments() == []
 
 
+def test_a_lone_rank_that_contradicts_the_place_its_process_holds_is_told_to_the_peers(daemon):
+    """The same, for a string key: a lone rank= against the place this process holds in the group."""
+    good, wrong = run_ranks(daemon, "string_key_contradicted", 2, "--group", "contradicted", "--timeout", "30")
+    assert good["ok"] and wrong["ok"], (good, wrong)
+    assert wrong["buffer"]["value_error"], wrong
+    assert "rank=0, npes=None contradict this process's place in group 'contradicted' (rank 1 of 2)" in \
+        wrong["buffer"]["message"], wrong
+    assert good["buffer"]["code"] == "GROUP_FAILED" and "contradict this process's place" in \
+        good["buffer"]["message"] and good["buffer_after_s"] < 10, good
+    assert "contradict this process's place" in wrong["agree_raised"], wrong
+    assert good["agreed"] is False and good["agree_after_s"] < 10, "the round is False at once"
+    assert daemon.settled_segments() == []
+
+
 def test_a_released_set_can_be_joined_again(daemon):
     for attempt in range(2):
         results = run_ranks(daemon, "exchange", 2, "--group", "again")

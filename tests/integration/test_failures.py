@@ -338,6 +338,25 @@ def test_a_rank_stopped_past_the_grace_aborts_its_group_and_one_stopped_briefly_
     assert results[1]["pid"] == ranks[1].pid
 
 
+def test_a_rank_stopped_before_its_commit_vote_fails_the_setup_after_the_grace_not_the_timeout(socket_dir):
+    """The peers began watching for a stopped rank only once the set was live: one stopped between its
+    join's answer and its commit vote held them in the vote for their whole agreement timeout (60 s by
+    default), with a reason that did not say it was stopped."""
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+               extra_env={"PEERD_STOPPED_ABORT_S": "2"}).start()
+    ranks = [start_rank(d, "stops_before_its_vote", r, 2, "--group", "setup-stop", "--timeout", "60")
+             for r in range(2)]
+    try:
+        waiting = finish(ranks[0], timeout=30)
+        assert waiting["code"] == "GROUP_FAILED" and "has been stopped" in waiting["raised"], waiting
+        assert f"pid {ranks[1].pid}" in waiting["raised"] and waiting["after_s"] < 15, waiting
+    finally:
+        for proc in ranks:
+            proc.kill()
+            proc.wait()
+        assert d.stop() == 0, d.logs()
+
+
 def _child(pid: int) -> int:
     """The one child of ``pid`` (unshare's and nsenter's: the process they fork), once it is there."""
     children = Path(f"/proc/{pid}/task/{pid}/children")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, run_ranks, shadowed, start_rank, wait_until
 
 
 def test_run_help_does_not_offer_the_socket_it_refuses():
@@ -228,10 +228,7 @@ def test_an_evict_nobody_confirmed_says_how_to_without_asking_and_a_bad_count_sa
 
 
 def _shadow(root: Path, package: str, source: str) -> dict:
-    """An environment whose Python finds ``package`` as ``source`` (a broken or incomplete install)."""
-    (root / package).mkdir(parents=True)
-    (root / package / "__init__.py").write_text(source)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "PYTHONPATH": shadowed(root, package, source)}
 
 
 def test_metrics_without_prometheus_client_are_refused_before_anything_and_a_failed_bind_leaves_no_socket(
@@ -246,10 +243,27 @@ def test_metrics_without_prometheus_client_are_refused_before_anything_and_a_fai
     assert done.returncode == 1 and "--metrics-port needs prometheus-client" in done.stderr, done.stderr
     assert "pip install prometheus-client" in done.stderr, "names what to install, as pip knows it"
     assert not served.exists(), "refused before the socket was claimed"
-    incomplete = _shadow(tmp_path / "incomplete", "prometheus_client", "")  # imports, but has no REGISTRY
+    incomplete = _shadow(tmp_path / "incomplete", "prometheus_client", "REGISTRY = Counter = Histogram = None\n")
     done = subprocess.run(command, env=incomplete, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "REGISTRY" in done.stderr, done.stderr
+    assert done.returncode == 1 and "cannot import (No module named 'prometheus_client.exposition')" in \
+        done.stderr and not served.exists(), "a part missing is found with the rest, before anything"
+    failing = _shadow(tmp_path / "failing", "prometheus_client", "REGISTRY = Histogram = None\n"
+                      "def Counter(*args):\n    raise RuntimeError('the metrics library failed')\n")
+    (tmp_path / "failing" / "prometheus_client" / "exposition.py").write_text("MetricsHandler = object\n")
+    done = subprocess.run(command, env=failing, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "the metrics library failed" in done.stderr, done.stderr
     assert not served.exists(), "the bind failed after the socket was bound: nothing of it is left"
     status = subprocess.run([sys.executable, "-m", "peerd", "status", "--socket", str(served / "peerd.sock")],
                             capture_output=True, text=True, timeout=30)
     assert status.returncode == 3 and "no peerd daemon socket" in status.stdout + status.stderr, status
+
+
+def test_a_daemon_that_fails_after_its_claim_leaves_no_lock_nor_the_directory_it_made(socket_dir):
+    """A failure after the socket was claimed and before the bind (here a supervisor's bad watchdog
+    setting) left the lock file and the directory the daemon had made."""
+    made = Path(socket_dir) / "made"
+    env = {**os.environ, "NOTIFY_SOCKET": str(Path(socket_dir) / "notify"), "WATCHDOG_USEC": "soon"}
+    done = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket",
+                           str(made / "peerd.sock")], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "WATCHDOG_USEC='soon' is no count of microseconds" in done.stderr, done.stderr
+    assert not made.exists(), "the claim went, with the directory it made"

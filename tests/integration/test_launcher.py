@@ -18,7 +18,7 @@ import pytest
 
 from peerd.launcher import serve_argv
 from peerd.settings import Loader, Settings, serve_options
-from tests.conftest import HERE, memfd_holders, memfds, wait_until
+from tests.conftest import HERE, memfd_holders, memfds, shadowed, wait_until
 
 PATIENCE_S = 90  # what a loaded 2-core machine may need to start four torch processes
 
@@ -167,11 +167,8 @@ def test_a_daemon_that_dies_first_is_reported_and_the_job_told():
 def test_a_daemon_that_cannot_start_is_reported_and_nothing_runs(tmp_path):
     """Its backend cannot open: only the daemon finds that. hip-python is hidden from the daemon (on a ROCm
     host it would load), so the hip backend fails to open on any machine."""
-    for package in ("rocm", "hip"):
-        (tmp_path / package).mkdir()
-        (tmp_path / package / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
-    proc = launch(sys.executable, "-c", "print('ran')", serve=("--backend", "hip"),
-                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))})
+    hidden = [shadowed(tmp_path, package, "raise ImportError('hidden by the test')\n") for package in ("rocm", "hip")]
+    proc = launch(sys.executable, "-c", "print('ran')", serve=("--backend", "hip"), env={"PYTHONPATH": hidden[-1]})
     out, err = proc.communicate(timeout=PATIENCE_S)
     assert proc.returncode == 125 and "ran" not in out
     assert "libamdhip64 could not be loaded (hidden by the test)" in err, err
@@ -190,6 +187,15 @@ def test_socket_is_the_launchers_to_choose():
     done = subprocess.run([sys.executable, "-m", "peerd", "run", "--socket", "/tmp/x.sock", "--", "true"],
                           capture_output=True, text=True, timeout=PATIENCE_S)
     assert done.returncode == 125 and "drop --socket" in done.stderr
+
+
+@pytest.mark.parametrize("inherited", ["", "@abstract", "/" + "x" * 120])
+def test_a_peerd_socket_the_launcher_does_not_serve_is_no_reason_to_refuse_the_job(inherited):
+    """`peerd run` serves a socket of its own: an inherited PEERD_SOCKET no daemon could serve (empty,
+    abstract, too long) is not its to check."""
+    proc = launch(sys.executable, "-c", "print('ran')", env={"PEERD_SOCKET": inherited})
+    out, err = proc.communicate(timeout=PATIENCE_S)
+    assert proc.returncode == 0 and "ran" in out, err
 
 
 @pytest.mark.parametrize("args, env, says", [

@@ -112,3 +112,38 @@ def test_a_process_group_made_again_over_its_store_gets_a_key_of_its_own_on_ever
             if p.is_alive():
                 p.kill()
     assert keys[0] == keys[1] and keys[0][0] != keys[0][1], keys
+
+
+def test_a_rank_that_contradicts_its_process_group_is_told_its_place_or_the_plain_error_where_rank_0_never_came(
+        monkeypatch):
+    """Contradicted carries the place the group names, for the peers to be told (its key needs rank 0's
+    token); where rank 0 never gives it, the mistake is the error, not a TIMEOUT that hid it."""
+    import datetime
+    import socket
+    import time
+
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    monkeypatch.setattr(c10d, "_get_process_group_store", lambda pg: store)
+    monkeypatch.setattr(groupkey, "_pg_keys", {})
+
+    class Group:  # a process group as resolve() reads one: its rank and size from torch.distributed
+        group_name, rank, size = "7", None, None
+
+    place = {"rank": 1}
+    monkeypatch.setattr(dist, "get_rank", lambda group: place["rank"])
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    began = time.monotonic()
+    with pytest.raises(ValueError, match=r"rank=0, npes=2 contradict the process group \(rank 1 of 2\)") as plain:
+        resolve(Group(), 0, 2, 0.5)
+    assert type(plain.value) is ValueError and time.monotonic() - began >= 0.5, "waited for the key, then the error"
+    place["rank"] = 0  # rank 0 gives the key itself
+    with pytest.raises(groupkey.Contradicted) as told:
+        resolve(Group(), 1, None, 5.0)
+    assert told.value.member.rank == 0 and told.value.member.npes == 2 and told.value.member.key.startswith("pg-7-")

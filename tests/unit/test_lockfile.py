@@ -45,3 +45,26 @@ def test_a_lock_taken_on_a_file_a_stopping_daemon_removed_is_taken_again_on_the_
     with pytest.raises(AlreadyRunning):
         SocketLock(path).acquire()  # the third daemon
     starting.release()
+
+
+def test_a_claim_whose_new_directory_a_stopping_daemon_removed_makes_it_again(tmp_path, monkeypatch):
+    """A daemon removes the socket directory it made when it stops: one starting beside it, which found the
+    directory there, then failed to create its lock file in it ('No such file or directory')."""
+    from peerd import socketclaim
+
+    directory = tmp_path / "run"
+    prepare = socketclaim.prepare_socket_dir
+    looks = []
+
+    def removed_after_the_look(*args):
+        made = prepare(*args)
+        looks.append(made)
+        if len(looks) == 1:
+            os.rmdir(directory)  # the stopping daemon's release, between this one's look and its lock
+        return made
+
+    monkeypatch.setattr(socketclaim, "prepare_socket_dir", removed_after_the_look)
+    claim = socketclaim.SocketClaim(str(directory / "peerd.sock"), 0o750, None)
+    assert looks == [True, True] and os.path.exists(directory / "peerd.sock.lock")
+    claim.release()
+    assert not directory.exists(), "made by this claim (again), so removed by it"
