@@ -223,3 +223,10 @@ def shadowed(root: Path, package: str, source: str) -> str:
     (root / package).mkdir(parents=True)
     (root / package / "__init__.py").write_text(source)
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
+def child_of(pid: int) -> int:
+    """The one child of ``pid`` (unshare's and nsenter's: the process they fork), once it is there."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    wait_until(lambda: children.read_text().split(), 10, f"pid {pid} to fork")
+    return int(children.read_text().split()[0])

@@ -22,7 +22,7 @@ from peerd.routingids import new_routing_id
 from peerd.tally import LOG_EVERY_S
 from peerd_client.stoppedpeers import POLL_S
 from peerd_client.teardown import RELEASE_WAIT_S
-from tests.conftest import HERE, Daemon, finish, memfd_holders, run_ranks, start_rank, wait_until
+from tests.conftest import HERE, Daemon, child_of, finish, memfd_holders, run_ranks, start_rank, wait_until
 from tests.integration.test_access import call
 
 
@@ -357,13 +357,6 @@ def test_a_rank_stopped_before_its_commit_vote_fails_the_setup_after_the_grace_n
         assert d.stop() == 0, d.logs()
 
 
-def _child(pid: int) -> int:
-    """The one child of ``pid`` (unshare's and nsenter's: the process they fork), once it is there."""
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    wait_until(lambda: children.read_text().split(), 10, f"pid {pid} to fork")
-    return int(children.read_text().split()[0])
-
-
 @pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("nsenter")), reason="needs util-linux's "
                     "unshare and nsenter")
 def test_ranks_in_a_pid_namespace_of_their_own_watch_each_other_by_the_pids_they_claimed(socket_dir):
@@ -375,13 +368,13 @@ def test_ranks_in_a_pid_namespace_of_their_own_watch_each_other_by_the_pids_they
     pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "600"])
     ranks = []
     try:
-        init = _child(pod.pid)  # the namespace's pid 1; the ranks join its pid and mount (its /proc) namespaces
+        init = child_of(pod.pid)  # the namespace's pid 1; the ranks join its pid and mount (its /proc) namespaces
         ranks += [subprocess.Popen(
             ["nsenter", "--target", str(init), "--pid", "--mount", "--", sys.executable, str(HERE / "rank.py"),
              "beside_stopped", "--rank", str(r), "--npes", "2", "--group", "pod", "--timeout", "30"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=d.env())
             for r in range(2)]
-        stop_pid = _child(ranks[1].pid)  # rank 1 as the host (and the daemon) sees it
+        stop_pid = child_of(ranks[1].pid)  # rank 1 as the host (and the daemon) sees it
         # nsenter, waiting for rank 1, stops itself when rank 1 stops, as a shell's job would
         results = _stopped_briefly_then_long(ranks, stop_pid, also_continue=(ranks[1].pid,))
     finally:
@@ -411,7 +404,7 @@ def test_a_caller_outside_the_daemons_pid_namespace_may_not_hold_and_pidfds_stay
         assert status["liveness"] == "pidfd" and status["groups"] == 0, status
         assert "pidfd_open unavailable" not in d.logs()
     finally:
-        os.kill(_child(d.proc.pid), signal.SIGTERM)  # the daemon itself: unshare forwards no signal
+        os.kill(child_of(d.proc.pid), signal.SIGTERM)  # the daemon itself: unshare forwards no signal
         assert d.proc.wait(20) == 0, d.logs()
         assert not os.path.exists(d.socket), "socket left after shutdown"
 

@@ -23,7 +23,7 @@ import zmq
 from peerd import protocol
 from peerd_client.connection import Connection
 from peerd_client.errors import DaemonUnavailable
-from tests.conftest import HERE, Daemon, wait_until
+from tests.conftest import HERE, Daemon, child_of, wait_until
 
 ATTACKER, VICTIM, GROUP = "pdt-x", "pdt-y", "pdt-g"
 
@@ -299,3 +299,51 @@ def test_a_reply_from_another_process_bound_at_the_daemons_path_is_never_taken_f
         impostor.kill()
         impostor.wait()
         context.term()
+
+
+IMPOSTOR = """
+import os, socket, sys
+path, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.unlink(path)  # the daemon's fd channel, replaced by one whose listen() is another user's
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.bind(path)
+os.chmod(path, 0o666)
+os.setgid(gid)
+os.setuid(uid)
+sock.listen(16)
+print("READY", flush=True)
+held = []
+while True:
+    held.append(sock.accept()[0])
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("unshare") and shutil.which("nsenter")), reason="needs util-linux's "
+                    "unshare and nsenter")
+def test_an_fd_channel_served_by_another_user_is_refused_by_a_worker_that_sees_no_pids(socket_dir, users):
+    """A worker in a pod sees pid 0 for any server outside its pid namespace, so comparing the fd
+    channel's server with the daemon by pid passed whoever served SOCKET.fd: another user's server
+    there was taken for the daemon's. Its uid is compared now, as the daemon socket's is."""
+    attacker = users[ATTACKER]
+    d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log").start()
+    impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, d.socket + ".fd", str(attacker.pw_uid),
+                                 str(attacker.pw_gid)], stdout=subprocess.PIPE, text=True)
+    pod = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "sleep", "600"])
+    try:
+        assert impostor.stdout.readline().strip() == "READY"
+        init = child_of(pod.pid)  # the ranks join its pid and mount (its /proc) namespaces
+        ranks = [subprocess.Popen(
+            ["nsenter", "--target", str(init), "--pid", "--mount", "--", sys.executable, str(HERE / "rank.py"),
+             "join", "--rank", str(r), "--npes", "2", "--group", "fd-impostor", "--hold", "0", "--timeout", "20"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=d.env()) for r in range(2)]
+        for rank in ranks:
+            out, err = rank.communicate(timeout=60)
+            result = json.loads(out.strip().splitlines()[-1])
+            assert not result["ok"] and f"is served by uid {attacker.pw_uid} ({ATTACKER})" in result["message"], \
+                (result, err)
+            assert "not by the daemon's user (uid 0 (root))" in result["message"], result
+    finally:
+        for proc in (impostor, pod):
+            proc.kill()
+            proc.wait()
+        assert d.stop() == 0, d.logs()
