@@ -108,9 +108,11 @@ def prepare_socket_dir(directory: str, mode: int, gid: int | None) -> bool:
     except OSError as err:
         if err.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
+        found = os.lstat(directory).st_mode
+        why = "peerd follows no symlink to its socket; " if stat.S_ISLNK(found) else ""
         raise UnsafeSocketDirectory(
-            f"socket directory {directory} is {kind(os.lstat(directory).st_mode)}, not a directory: peerd "
-            "follows no symlink to its socket; give the real path of a directory as --socket's"
+            f"socket directory {directory} is {kind(found)}, not a directory: {why}give the real path of a "
+            "directory as --socket's"
         ) from None
     try:
         _check_own_directory(directory, fd, created, mode, gid)

@@ -346,13 +346,15 @@ class Loader:
         values, sources = {}, {}
         for option in OPTIONS:
             given, env = self.given.get(option.name), os.environ.get(_env_name(option.name))
-            filed = option.name in from_file  # a bad value in the file is refused even where it is overridden
+            # a bad value in the environment or the file is refused even where something overrides it
+            from_env = f"environment ({_env_name(option.name)})"
+            in_env = _convert(option, _listed(env) if option.multiple else env, from_env) if env is not None else None
+            filed = option.name in from_file
             in_file = _convert(option, from_file[option.name], path) if filed else None
             if given not in (None, ()):
                 value, source = given, "command line"
             elif env is not None:
-                source = f"environment ({_env_name(option.name)})"
-                value = _convert(option, _listed(env) if option.multiple else env, source)
+                value, source = in_env, from_env
             elif filed:
                 value, source = in_file, path
             else:

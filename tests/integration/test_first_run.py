@@ -107,7 +107,10 @@ def test_a_socket_location_the_daemon_cannot_use_is_named_with_what_to_do(socket
     config = Path(socket_dir) / "peerd.toml"
     config.write_text("socket = 5\n")
     os.mkdir(Path(socket_dir) / "p.sock.lock")
+    os.mkfifo(Path(socket_dir) / "fifo")
     cases = [
+        (["--socket", os.path.join(socket_dir, "fifo", "p.sock")], f"socket directory {socket_dir}/fifo is a fifo, "
+                                                                   "not a directory: give the real path"),
         (["--config", str(config)], "socket takes a string (in quotes), not 5"),
         (["--socket", ""], "the socket path must be a file path, not ''"),
         (["--socket", os.path.join(socket_dir, "p.sock")], f"cannot open the lock file {socket_dir}/p.sock.lock: "
@@ -118,7 +121,7 @@ def test_a_socket_location_the_daemon_cannot_use_is_named_with_what_to_do(socket
         done = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", *args], cwd=socket_dir,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 1 and says in done.stderr and "[Errno" not in done.stderr, (args, done.stderr)
-    assert sorted(os.listdir(socket_dir)) == ["p.sock.lock", "peerd.toml"], "nothing served, nothing made"
+    assert sorted(os.listdir(socket_dir)) == ["fifo", "p.sock.lock", "peerd.toml"], "nothing served, nothing made"
 
 
 def test_a_daemon_that_cannot_have_its_socket_is_refused_before_its_backend_starts(daemon, socket_dir):

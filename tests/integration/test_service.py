@@ -177,6 +177,11 @@ def test_a_bad_configuration_is_a_clear_error_at_start_naming_the_key_and_peerd_
     overridden = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", str(config), "--max-groups", "7"],
                                 capture_output=True, text=True, timeout=30, env={**os.environ, "PEERD_MAX_GROUPS": "5"})
     assert overridden.returncode == 1 and f"{config}: bad value for max_groups" in overridden.stderr, overridden.stderr
+    config.write_text("max_groups = 5\n")  # and the environment's, where the command line overrides it
+    overridden = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", str(config), "--max-groups", "7"],
+                                capture_output=True, text=True, timeout=30, env={**os.environ, "PEERD_MAX_GROUPS": "x"})
+    assert overridden.returncode == 1 and "environment (PEERD_MAX_GROUPS): bad value" in overridden.stderr, \
+        overridden.stderr
 
 
 def test_a_relative_socket_path_is_the_same_socket_at_every_reload(socket_dir):
