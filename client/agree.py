@@ -55,6 +55,8 @@ def _no_in_its_round(group, rank: int | None, npes: int | None) -> None:
     """The no of a call refused for its arguments, in the round it is."""
     try:
         _agree(False, group, rank, npes, REFUSED_CALL_WAIT_S)
+    except Contradicted:  # the round is that of the place this process holds
+        _no_in_its_round(group, None, None)
     except (MonoUnsupported, ForkedProcessError, ValueError, TypeError) as err:
         log.warning("tp_agree on %s could not vote this rank's no: %s", group, err)
 

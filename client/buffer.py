@@ -16,7 +16,7 @@ from .connection import GRACE_S, REQUEST_TIMEOUT_S, Connection, checked_fields, 
 from .errors import BACKEND_UNAVAILABLE, DaemonUnavailable, ForkedProcessError, MonoUnsupported
 from .groupkey import Contradicted, Membership, integral, remember, resolve
 from .mappings import ChunkKey, mappings
-from .pagelink import GroupLink, close_link, open_link
+from .pagelink import GroupLink, close_link, link_for, open_link
 from .stoppedpeers import own_pid, stopped_peers
 from .teardown import Teardown, finish_waiting
 from .views import backend_for, byte_view, require_torch, worker_device
@@ -104,7 +104,9 @@ class PeerBuffer:
             agreement = timeout or conn.hello["agreement_timeout"]
             wait = rendezvous + GRACE_S
             member = resolve(group, rank, npes, rendezvous)
-        except Contradicted as err:  # this rank's place is known all the same: its peers are told there
+        except Contradicted as err:  # this rank's place is known all the same: its peers are told there,
+            if isinstance(group, str) and link_for(group) is None:  # unless it is a string key's place this
+                raise (unusable or ValueError(str(err))) from None  # process held once (another's now, maybe)
             member, unusable = err.member, unusable or err
         except Exception:
             if unusable is not None:

@@ -94,8 +94,8 @@ def _process_group_key(pg, rank: int, npes: int, timeout: float) -> str:
 
 
 class Contradicted(ValueError):
-    """rank=/npes= that contradict a process group, which names this process's place itself: ``member``
-    is that place, so the call can still tell its peers (a withdrawal, a no) before it raises."""
+    """rank=/npes= that contradict the place this process joined, or its process group's: ``member`` is
+    that place, so the call can still tell its peers (a withdrawal, a no) before it raises."""
 
     def __init__(self, message: str, member: Membership):
         super().__init__(message)
@@ -133,8 +133,9 @@ def resolve(group, rank: int | None, npes: int | None, timeout: float) -> Member
                 )
             member = known[0]
             if rank not in (None, member.rank) or npes not in (None, member.npes):
-                raise Contradicted(f"rank={rank}, npes={npes} contradict this process's place in group {group!r} "
-                                   f"(rank {member.rank} of {member.npes})", member)
+                wrong = f"rank={rank}, npes={npes} contradict this process's place in group {group!r} (rank " \
+                        f"{member.rank} of {member.npes})"
+                raise Contradicted(wrong, member) if known[1] == os.getpid() else ValueError(wrong)  # a parent's
             return member
         return Membership(group, rank, npes)
     if hasattr(group, "rank") and hasattr(group, "size"):

@@ -140,6 +140,10 @@ def _held_area(conn, slot: dict, instance: int, area_id: int, asked: FdRequest |
         return held
 
 
+#: the aborts members write themselves, which the daemon learns only from a member's commit no
+MEMBERS_ABORTS = (AbortCode.MEMBER_STOPPED, AbortCode.MEMBER_ABORTED)
+
+
 class GroupLink:
     """What a member's tp_agree needs of its group's live set: the daemon run it came
     from and, where the whole group chose it, the control page."""
@@ -219,14 +223,15 @@ class GroupLink:
 
     def commit(self, timeout: float) -> dict:
         """The set's commit vote, on the page (COMMIT_ROUND): ``{ok, reason}`` as the daemon answers
-        it, and ``aborted``: whether the reason came from the daemon (else this rank's round failed)."""
+        it, and ``aborted``: whether the reason came from the daemon (else this rank's round failed, or
+        a member aborted the page, which the daemon has not heard of)."""
         self.voter = PageVoter(self.page, self.rank, self.label, commit_rounds=COMMIT_ROUND)
         verdict = self.voter.agree(True, time.monotonic() + timeout)
         if verdict.ok:
             return {"ok": True, "reason": "", "aborted": False}
         aborted = self.page.aborted()
-        if aborted is not None:
-            return {"ok": False, "reason": aborted.reason, "aborted": True}
+        if aborted is not None:  # a member's own abort (a peer it saw stopped) is news to the daemon: told
+            return {"ok": False, "reason": aborted.reason, "aborted": aborted.code not in MEMBERS_ABORTS}
         # the round's own reason says whether it timed out or a rank voted no
         return {"ok": False, "reason": f"the commit vote on the control page failed (waited at most {timeout:g}s): "
                                        f"{verdict.reason}", "aborted": False}

@@ -23,7 +23,7 @@ from .admission import admins_of
 from .arena import describe_usage
 from .escape import EscapingFormatter, escape
 from .logbudget import log_budget
-from .paths import check_socket_path, default_socket
+from .paths import default_socket
 from .settings import Settings, serve_options
 from .sizes import human
 
@@ -67,7 +67,6 @@ def serve(settings: Settings) -> None:
 
     _setup_logging(settings.log_level)
     try:
-        check_socket_path(settings.socket)
         loader = click.get_current_context().meta["peerd.loader"]
         Daemon(settings, lambda: memory_backend(settings.backend, settings.arena), loader).serve()
     except (AlreadyRunning, BackendUnavailable, UnsafeSocketDirectory, ValueError, OSError, RuntimeError) as err:

@@ -33,7 +33,7 @@ def require_prometheus() -> None:
     """Refuse to start without prometheus-client where metrics are asked for: checked with the other
     start-up checks, before the socket is claimed or a GPU context made."""
     try:
-        from prometheus_client import REGISTRY, Counter, Histogram  # noqa: F401
+        from prometheus_client import REGISTRY, Counter, Histogram, core  # noqa: F401
         from prometheus_client.exposition import MetricsHandler  # noqa: F401
     except ImportError as err:
         raise RuntimeError(f"--metrics-port needs prometheus-client, which this Python cannot import ({err}): pip "

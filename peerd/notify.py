@@ -24,12 +24,9 @@ class Notifier:
         self._address = ("\0" + path[1:]) if path and path.startswith("@") else path
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if path else None
         usec, pid = environ.get("WATCHDOG_USEC"), environ.get("WATCHDOG_PID")
-        if usec and not usec.isdigit():
-            raise ValueError(f"WATCHDOG_USEC={usec!r} is no count of microseconds: whatever started peerd set it "
-                             "wrongly (systemd sets it from WatchdogSec=)")
         ours = pid is None or pid == str(os.getpid())
         #: seconds between WATCHDOG=1 pings: half the watchdog timeout, as sd_watchdog_enabled advises
-        self.watchdog_interval = int(usec) / 2e6 if usec and ours and self._socket else None
+        self.watchdog_interval = _microseconds(usec) / 2e6 if usec and ours and self._socket else None
         self._last_status: str | None = None
 
     @property
@@ -72,3 +69,12 @@ class Notifier:
         if self._socket is not None:
             self._socket.close()
             self._socket = None
+
+
+def _microseconds(usec: str) -> int:
+    """WATCHDOG_USEC, which names the watchdog's timeout this daemon must ping within."""
+    try:
+        return int(usec, 10)
+    except ValueError:
+        raise ValueError(f"WATCHDOG_USEC={usec!r} is no count of microseconds: whatever started peerd set it "
+                         "wrongly (systemd sets it from WatchdogSec=)") from None

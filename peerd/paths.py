@@ -40,14 +40,6 @@ def something_at(path: str) -> bool:
     return True
 
 
-def absolute_socket(path):
-    """A relative socket path made absolute, as the daemon serves it; anything else as it is, for
-    ``check_socket_path`` to refuse where the path is used (``peerd run`` serves a socket of its own)."""
-    if isinstance(path, str) and path.strip() and not path.startswith("@"):
-        return os.path.abspath(path)
-    return path
-
-
 def check_socket_path(path: str) -> str:
     """The path, absolute; ValueError for what libzmq's ipc transport cannot use."""
     if not isinstance(path, str) or not path.strip():

@@ -135,10 +135,16 @@ class Daemon:
         self.allowlist = Allowlist.build(settings.allow_uid, allowed_gids, self.socket_gid)
         if settings.metrics_port:
             require_prometheus()
+        self._notifier = Notifier()
         self._claim = SocketClaim(self.socket_path, settings.socket_dir_mode, self.socket_gid)
         self._fd_channel: FdChannelServer | None = None  # made at bind
         try:
-            self._assemble(open_backend())
+            backend = open_backend()
+            try:
+                self._assemble(backend)
+            except BaseException:
+                backend.close()
+                raise
         except BaseException:  # nothing served: the claim goes, and the socket directory it made
             self._claim.release()
             raise
@@ -163,7 +169,6 @@ class Daemon:
         self._signals: list[int] = []
         self._reload_failed: str | None = None  # why the last SIGHUP changed nothing, until one succeeds
         self._restart_pending: list[str] = []  # the settings a reload read that only a restart applies
-        self._notifier = Notifier()
         self._next_tick = 0.0
         self.metrics: Metrics | None = None
         self._refused: set[bytes] = set()  # connections already logged as refused
@@ -222,6 +227,8 @@ class Daemon:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             try:
+                if hasattr(self, "_router"):  # closed first: libzmq would unlink the path again at its exit
+                    self._router.close(linger=0)
                 self._remove_socket()  # bound, perhaps: no client may wait on a socket nobody will serve
             except Exception:  # the bind's own error is the one to tell
                 log.exception("removing the socket after a failed start failed")
@@ -357,10 +364,12 @@ class Daemon:
             if self._fd_channel is not None:
                 self._fd_channel.close()
         finally:
-            for path in (self.socket_path, fd_socket_path(self.socket_path)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            self._claim.release()
+            try:
+                for path in (self.socket_path, fd_socket_path(self.socket_path)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            finally:
+                self._claim.release()
 
     # ------------------------------------------------------------ the loop
 

@@ -44,7 +44,7 @@ from .arena import ALIGNMENT, DEFAULT_CHUNK_BYTES, DEFAULT_IDLE_S
 from .backends.arenas import ArenaSettings
 from .liveness import MAX_PIDS_PER_UID
 from .quotas import Limits
-from .paths import absolute_socket, default_socket
+from .paths import check_socket_path, default_socket
 from .protocol import DEFAULT_DEADLINE_S, MAX_TIMEOUT_S, is_wait
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -304,6 +304,7 @@ class Loader:
     given: dict[str, Any]  # what the command line said (None or () where it said nothing)
     config: str | None = None  # --config
     default_file: str | None = DEFAULT_CONFIG  # read where nothing names a file (None: no file then)
+    checks_socket: bool = True  # False: the command serves a socket of its own (`peerd run`)
     read_default: bool = field(default=False, init=False)  # the default file was there at a read: a reload
     # that finds it gone keeps the running settings, as for any file it cannot read
 
@@ -346,12 +347,15 @@ class Loader:
         values, sources = {}, {}
         for option in OPTIONS:
             given, env = self.given.get(option.name), os.environ.get(_env_name(option.name))
-            # a bad value in the environment or the file is refused even where something overrides it
+            # a bad value in the environment or the file is refused even where something overrides it (an
+            # empty variable overridden is as good as unset: templates leave them so)
             from_env = f"environment ({_env_name(option.name)})"
-            in_env = _convert(option, _listed(env) if option.multiple else env, from_env) if env is not None else None
+            overridden = given not in (None, ())
+            in_env = (_convert(option, _listed(env) if option.multiple else env, from_env)
+                      if env is not None and not (overridden and not env.strip()) else None)
             filed = option.name in from_file
             in_file = _convert(option, from_file[option.name], path) if filed else None
-            if given not in (None, ()):
+            if overridden:
                 value, source = given, "command line"
             elif env is not None:
                 value, source = in_env, from_env
@@ -361,7 +365,11 @@ class Loader:
                 value = option.default() if callable(option.default) else option.default
                 source = "default"
             values[option.name], sources[option.name] = value, source
-        values["socket"] = absolute_socket(values["socket"])  # a reload compares the socket it serves with it
+        if self.checks_socket:  # absolute as read, so a reload compares the socket served with the same path
+            try:
+                values["socket"] = check_socket_path(values["socket"])
+            except ValueError as err:
+                raise ConfigError(f"{sources['socket']}: {err}") from None
         _check_groups(values, sources)
         return Settings(**values), sources
 
@@ -429,7 +437,7 @@ def serve_options(function: Callable | None = None, *, hidden: tuple[str, ...] =
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         loader = Loader({o.name: kwargs.pop(o.name) for o in OPTIONS}, kwargs.pop("config"),
-                        DEFAULT_CONFIG if node_file else None)
+                        DEFAULT_CONFIG if node_file else None, checks_socket="socket" not in hidden)
         settings, _ = loader.load()
         click.get_current_context().meta["peerd.loader"] = loader
         return function(*args, settings=settings, **kwargs)

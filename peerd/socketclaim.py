@@ -28,16 +28,16 @@ class SocketClaim:
     def __init__(self, path: str, dir_mode: int, gid: int | None):
         directory = os.path.dirname(path)
         self._lock = SocketLock(lock_path(path))
-        for last in (False, True):
-            self._made = directory if prepare_socket_dir(directory, dir_mode, gid) else None
-            try:
-                self._lock.acquire()
-                break
-            except UnsafeLockFile:  # once more where a daemon stopping beside this one removed the directory
-                if last or os.path.isdir(directory):  # it had made, between this one's look and its lock
-                    self.release()
-                    raise
+        self._made: str | None = None
         try:
+            for last in (False, True):
+                self._made = directory if prepare_socket_dir(directory, dir_mode, gid) else None
+                try:
+                    self._lock.acquire()
+                    break
+                except UnsafeLockFile:  # once more where a daemon stopping beside this one removed the
+                    if last or os.path.isdir(directory):  # directory it had made, between this one's look and
+                        raise  # its lock
             if gid is not None:  # the socket's group, tried on the lock file: refused now, not after the backend
                 give_to_group(lock_path(path), gid)
             remove_stale_socket(path)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import finish, run_ranks, start_rank, wait_until
+from tests.conftest import Daemon, finish, run_ranks, start_rank, wait_until
 
 
 @pytest.mark.parametrize("npes", [2, 4, 8])
@@ -160,9 +162,16 @@ def test_a_rank_that_contradicts_its_process_group_raises_and_its_peer_hears_at_
     assert daemon.settled_segments() == []
 
 
-def test_a_lone_rank_that_contradicts_the_place_its_process_holds_is_told_to_the_peers(daemon):
-    """The same, for a string key: a lone rank= against the place this process holds in the group."""
-    good, wrong = run_ranks(daemon, "string_key_contradicted", 2, "--group", "contradicted", "--timeout", "30")
+def test_a_lone_rank_that_contradicts_the_place_its_process_holds_is_told_to_the_peers(socket_dir):
+    """The same, for a string key: a lone rank= against the place this process holds in the group. Without
+    control pages, so that the second set's failure leaves the held set's rounds alone (on a page it
+    aborts them): only the contradicting rank's no can make the round False at once."""
+    daemon = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
+                    args=("--control-pages", "false")).start()
+    try:
+        good, wrong = run_ranks(daemon, "string_key_contradicted", 2, "--group", "contradicted", "--timeout", "30")
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
     assert good["ok"] and wrong["ok"], (good, wrong)
     assert wrong["buffer"]["value_error"], wrong
     assert "rank=0, npes=None contradict this process's place in group 'contradicted' (rank 1 of 2)" in \
@@ -171,7 +180,6 @@ def test_a_lone_rank_that_contradicts_the_place_its_process_holds_is_told_to_the
         good["buffer"]["message"] and good["buffer_after_s"] < 10, good
     assert "contradict this process's place" in wrong["agree_raised"], wrong
     assert good["agreed"] is False and good["agree_after_s"] < 10, "the round is False at once"
-    assert daemon.settled_segments() == []
 
 
 def test_a_released_set_can_be_joined_again(daemon):

@@ -341,15 +341,17 @@ def test_a_rank_stopped_past_the_grace_aborts_its_group_and_one_stopped_briefly_
 def test_a_rank_stopped_before_its_commit_vote_fails_the_setup_after_the_grace_not_the_timeout(socket_dir):
     """The peers began watching for a stopped rank only once the set was live: one stopped between its
     join's answer and its commit vote held them in the vote for their whole agreement timeout (60 s by
-    default), with a reason that did not say it was stopped."""
+    default), with a reason that did not say it was stopped, and the daemon's verdict blamed the waiter."""
     d = Daemon(os.path.join(socket_dir, "peerd.sock"), Path(socket_dir) / "daemon.log",
                extra_env={"PEERD_STOPPED_ABORT_S": "2"}).start()
-    ranks = [start_rank(d, "stops_before_its_vote", r, 2, "--group", "setup-stop", "--timeout", "60")
+    ranks = [start_rank(d, "stops_before_its_vote", r, 2, "--group", "setup-stop", "--timeout", "120")
              for r in range(2)]
     try:
-        waiting = finish(ranks[0], timeout=30)
+        waiting = finish(ranks[0], timeout=100)
         assert waiting["code"] == "GROUP_FAILED" and "has been stopped" in waiting["raised"], waiting
-        assert f"pid {ranks[1].pid}" in waiting["raised"] and waiting["after_s"] < 15, waiting
+        assert f"pid {ranks[1].pid}" in waiting["raised"] and waiting["after_s"] < 60, waiting
+        # the daemon hears the stop from the waiting rank's no: what a retry is told while rank 1 lives
+        wait_until(lambda: "has been stopped" in d.cli("ls").stdout, 10, "the set's verdict to name the stop")
     finally:
         for proc in ranks:
             proc.kill()

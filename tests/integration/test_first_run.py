@@ -248,11 +248,12 @@ def test_metrics_without_prometheus_client_are_refused_before_anything_and_a_fai
     assert not served.exists(), "refused before the socket was claimed"
     incomplete = _shadow(tmp_path / "incomplete", "prometheus_client", "REGISTRY = Counter = Histogram = None\n")
     done = subprocess.run(command, env=incomplete, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "cannot import (No module named 'prometheus_client.exposition')" in \
+    assert done.returncode == 1 and "which this Python cannot import (cannot import name 'core'" in \
         done.stderr and not served.exists(), "a part missing is found with the rest, before anything"
     failing = _shadow(tmp_path / "failing", "prometheus_client", "REGISTRY = Histogram = None\n"
                       "def Counter(*args):\n    raise RuntimeError('the metrics library failed')\n")
     (tmp_path / "failing" / "prometheus_client" / "exposition.py").write_text("MetricsHandler = object\n")
+    (tmp_path / "failing" / "prometheus_client" / "core.py").write_text("")
     done = subprocess.run(command, env=failing, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "the metrics library failed" in done.stderr, done.stderr
     assert not served.exists(), "the bind failed after the socket was bound: nothing of it is left"
@@ -262,11 +263,28 @@ def test_metrics_without_prometheus_client_are_refused_before_anything_and_a_fai
 
 
 def test_a_daemon_that_fails_after_its_claim_leaves_no_lock_nor_the_directory_it_made(socket_dir):
-    """A failure after the socket was claimed and before the bind (here a supervisor's bad watchdog
-    setting) left the lock file and the directory the daemon had made."""
+    """A failure after the socket was claimed and before the bind left the lock file and the directory
+    the daemon had made; a supervisor's bad watchdog setting is refused before anything is claimed."""
+    from peerd.server import Daemon as Server
+    from peerd.settings import Loader
+
     made = Path(socket_dir) / "made"
     env = {**os.environ, "NOTIFY_SOCKET": str(Path(socket_dir) / "notify"), "WATCHDOG_USEC": "soon"}
     done = subprocess.run([sys.executable, "-m", "peerd", "serve", "--backend", "host", "--socket",
                            str(made / "peerd.sock")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "WATCHDOG_USEC='soon' is no count of microseconds" in done.stderr, done.stderr
-    assert not made.exists(), "the claim went, with the directory it made"
+    assert not made.exists(), "refused before the socket was claimed"
+
+    class Failing:  # a backend that opens, then fails as the daemon is built around it
+        closed = False
+
+        def share_fd_room(self, room):
+            raise RuntimeError("the backend failed")
+
+        def close(self):
+            Failing.closed = True
+
+    settings, _ = Loader({"socket": str(made / "peerd.sock")}, default_file=None).load()
+    with pytest.raises(RuntimeError, match="the backend failed"):
+        Server(settings, Failing)
+    assert Failing.closed and not made.exists(), "the backend closed, the claim gone with the directory it made"
