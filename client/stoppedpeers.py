@@ -200,6 +200,8 @@ class StoppedPeers:
             return
         for rank, pid in enumerate(peers):
             if pid and stopped_for[pid] >= self.grace:
+                if link.page is not page or page.generation != link.set_id:  # closed since it was read: its
+                    return  # slot may be a newer set's now, whose ranks this stop says nothing of
                 reason = (f"rank {rank} (pid {pid}), a peer of {link.label}, has been stopped (SIGSTOP, or a "
                           f"debugger) for {self.grace:g}s while its peers waited (PEERD_STOPPED_ABORT_S)")
                 log.warning("%s: aborting the group", reason)

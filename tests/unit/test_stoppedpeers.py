@@ -131,3 +131,22 @@ def test_a_finalizer_discarding_a_link_under_the_watchers_lock_never_waits_on_it
 
     threading.Thread(target=collected_under_the_lock, daemon=True).start()
     assert done.wait(10) and link not in peers._links
+
+
+def test_a_page_whose_slot_a_newer_set_took_is_not_aborted_for_a_peer_of_the_older_one():
+    """The watcher read a link's page, then went on after the link closed and the daemon formatted the
+    slot for a newer set: it aborted that set, naming a peer of the older one."""
+    from types import SimpleNamespace
+
+    from peerd.controlpage import AbortCode
+    from tests.pagekit import OwnPage
+
+    with OwnPage(2, 0x1234, generation=7) as page:
+        link = SimpleNamespace(page=page, set_id=7, label="group=g name=n rank 0")
+        peers = StoppedPeers(grace=1.0)
+        page.format(2, 0x1234, 8)  # the set was freed; its slot is set 8's
+        peers._check(link, [0, 4242], {4242: 5.0})
+        assert page.aborted() is None, "another set's page"
+        page.format(2, 0x1234, 7)
+        peers._check(link, [0, 4242], {4242: 5.0})
+        assert page.aborted().code == AbortCode.MEMBER_STOPPED, "its own page: aborted, naming the peer"
