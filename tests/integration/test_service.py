@@ -182,6 +182,9 @@ def test_a_bad_configuration_is_a_clear_error_at_start_naming_the_key_and_peerd_
                                 capture_output=True, text=True, timeout=30, env={**os.environ, "PEERD_MAX_GROUPS": "x"})
     assert overridden.returncode == 1 and "environment (PEERD_MAX_GROUPS): bad value" in overridden.stderr, \
         overridden.stderr
+    blank = subprocess.run([sys.executable, "-m", "peerd", "config", "--config", str(config), "--max-groups", "7"],
+                           capture_output=True, text=True, timeout=30, env={**os.environ, "PEERD_MAX_GROUPS": " "})
+    assert blank.returncode == 0, "an empty variable overridden is as good as unset (templates leave them so)"
 
 
 def test_a_relative_socket_path_is_the_same_socket_at_every_reload(socket_dir):
